@@ -1,0 +1,73 @@
+"""The small interface between the worker loop and an engine.
+
+The worker owns all I/O; an engine only turns requests into token deltas. The worker calls
+every method from one thread at a time and never while ``step`` runs, so engines need no
+locks. ``step`` may block (a forward pass): the worker runs it in a thread so its Redis side
+stays responsive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from slogate.protocol import FinishReason, SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    id: str
+    sampling: SamplingParams
+    deadline: float
+    """Absolute unix time; an engine may order work by it (earliest deadline first)."""
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request.
+
+    ``text`` is safe to show: complete UTF-8, and never the start of a stop string that may
+    still complete. ``finish_reason`` is set on the last output of a request.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    error_status: int = 500
+
+
+@dataclass
+class EngineLoad:
+    running: int
+    waiting: int
+    capacity: int
+    kv_usage: float = 0.0
+    prefill_s_per_token: float = 0.0
+    decode_step_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    name: str
+    model_id: str
+    max_context: int
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. A request that can never be served must come back from the next
+        ``step`` as an output with ``error`` set (status 400 for the client's fault)."""
+
+    def abort_request(self, request_id: str) -> None:
+        """Forget a request and free what it holds; it produces no further output."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[StepOutput]:
+        """Advance every scheduled request by one step."""
+
+    def load(self) -> EngineLoad: ...

@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from slogate.local_redis import LocalRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedis]:
+    server = LocalRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: LocalRedis) -> Iterator[str]:
+    """A clean database on the session's real redis-server."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    yield redis_server.url
