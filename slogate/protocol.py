@@ -57,12 +57,12 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
 
 
 class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
-    """New output. ``index`` is the position of its first token, ``attempt`` which delivery of
-    the request produced it: together they let the gateway drop what a retry repeats."""
+    """New output. ``offset`` is where ``text`` starts in the whole completion, ``attempt``
+    which delivery of the request produced it: together they let the gateway drop what a
+    retry on another worker repeats, so a client never sees a token twice."""
 
     text: str
-    index: int
-    n_tokens: int = 1
+    offset: int
     attempt: int = 1
     token_ids: list[int] = []
     v: int = VERSION

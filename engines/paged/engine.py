@@ -1,0 +1,184 @@
+"""The batch engine: continuous batching over a paged KV cache, behind the worker's
+:class:`engines.base.Engine` interface.
+
+Each ``step`` retires what expired, asks the scheduler for a batch, runs it once, samples one
+token per sequence that reached its end, and turns those tokens into text. Requests join and
+leave between steps; blocks go back to the pool the moment a request finishes, is aborted or
+runs past its deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engines.base import EngineLoad, EngineRequest, StepOutput
+from engines.paged.block_manager import BlockManager
+from engines.paged.model_runner import KVShape, ModelRunner
+from engines.paged.scheduler import Scheduler
+from engines.paged.sequence import Sequence
+from engines.runtime.detokenizer import OutputTracker
+from engines.runtime.loader import LoadedModel
+from engines.runtime.sampling import make_generator, sample
+
+_SMOOTHING = 0.2
+"""Weight of the newest step in the moving averages that ``load`` reports."""
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    tracker: OutputTracker
+    generator: torch.Generator | None
+
+
+@dataclass
+class PagedOptions:
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 2**20
+    """Used when ``num_blocks`` is not given: the pool takes as many blocks as fit."""
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+
+
+class PagedEngine:
+    name = "paged"
+
+    def __init__(self, loaded: LoadedModel, options: PagedOptions | None = None) -> None:
+        opts = options or PagedOptions()
+        self.loaded = loaded
+        self.model_id = loaded.model_id
+        self.max_context = loaded.max_context
+        num_blocks = opts.num_blocks or max(
+            1, opts.kv_cache_bytes // KVShape.of(loaded.model).bytes_per_block(opts.block_size, loaded.dtype)
+        )
+        self.block_manager = BlockManager(num_blocks, opts.block_size, opts.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, opts.max_num_seqs, opts.max_batched_tokens, loaded.max_context
+        )
+        self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size)
+        self.capacity = opts.max_num_seqs
+        self._live: dict[str, _Live] = {}
+        self._pending: list[StepOutput] = []
+        self._decode_step_s = 0.0
+        self._prefill_s_per_token = 0.0
+
+    def add_request(self, request: EngineRequest) -> None:
+        try:
+            prompt_ids = self.loaded.encode(request.prompt, request.messages)
+        except Exception as exc:  # noqa: BLE001 - a bad prompt is the client's fault, whatever raised
+            self._pending.append(_error(request.id, f"cannot tokenize the request: {exc}"))
+            return
+        seq = Sequence(request.id, prompt_ids, request.sampling, request.deadline)
+        reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
+        if reason:
+            self._pending.append(_error(request.id, reason, len(prompt_ids)))
+            return
+        tracker = OutputTracker(self.loaded.tokenizer, request.sampling, self.loaded.eos_token_ids, prompt_ids)
+        self._live[request.id] = _Live(seq, tracker, make_generator(request.sampling, self.loaded.device))
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self.scheduler.finish(live.seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending or self._live)
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._pending = self._pending, []
+        outputs.extend(self._expire(time.time()))
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return outputs
+        started = time.perf_counter()
+        sampled, logits = self.runner.run(sched)
+        lives = [self._live[sched.seqs[i].request_id] for i in sampled]
+        tokens = sample(
+            logits,
+            [lv.seq.sampling for lv in lives],
+            [lv.generator for lv in lives],
+            [lv.tracker.token_ids for lv in lives],
+            self.loaded.eos_token_ids,
+        )
+        self.scheduler.postprocess(sched, dict(zip(sampled, tokens)))
+        self._record_timing(time.perf_counter() - started, sched.num_tokens, len(sched.seqs))
+        for live, token in zip(lives, tokens):
+            outputs.append(self._emit(live, token))
+        return outputs
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            capacity=self.capacity,
+            kv_usage=self.block_manager.usage,
+            prefill_s_per_token=self._prefill_s_per_token,
+            decode_step_s=self._decode_step_s,
+            extra={
+                "prefix_cache_hit_rate": self.block_manager.hit_rate,
+                "kv_blocks_total": float(self.block_manager.num_blocks),
+                "kv_blocks_free": float(self.block_manager.num_free_blocks),
+                "preemptions_total": float(self.scheduler.num_preemptions),
+            },
+        )
+
+    def _emit(self, live: _Live, token: int) -> StepOutput:
+        seq = live.seq
+        text, finish = live.tracker.append(token)
+        if finish is not None:
+            self._live.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+        return StepOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=[token],
+            finish_reason=finish,
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=len(live.tracker.token_ids),
+        )
+
+    def _expire(self, now: float) -> list[StepOutput]:
+        """Finish every request whose deadline passed, freeing its blocks before scheduling."""
+        outputs = []
+        for rid in [rid for rid, lv in self._live.items() if lv.seq.deadline < now]:
+            live = self._live.pop(rid)
+            self.scheduler.finish(live.seq)
+            outputs.append(
+                StepOutput(
+                    request_id=rid,
+                    text=live.tracker.flush(),
+                    finish_reason="deadline",
+                    prompt_tokens=live.seq.num_prompt_tokens,
+                    completion_tokens=len(live.tracker.token_ids),
+                )
+            )
+        return outputs
+
+    def _record_timing(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
+        """Moving averages of the decode step and of prefill cost per token, the two figures
+        the admission controller predicts latency from."""
+        prefill_tokens = num_tokens - num_seqs
+        if prefill_tokens <= 0:
+            self._decode_step_s = _blend(self._decode_step_s, seconds)
+        else:
+            self._prefill_s_per_token = _blend(self._prefill_s_per_token, seconds / num_tokens)
+
+
+def _blend(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - _SMOOTHING) * old + _SMOOTHING * new
+
+
+def _error(request_id: str, message: str, prompt_tokens: int = 0) -> StepOutput:
+    return StepOutput(
+        request_id=request_id,
+        finish_reason="error",
+        prompt_tokens=prompt_tokens,
+        error=message,
+        error_status=400,
+    )

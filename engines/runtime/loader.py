@@ -1,0 +1,104 @@
+"""Load a causal LM and its tokenizer once, with the facts every engine needs about it.
+
+Engines share this so that they agree on what a prompt's tokens are, which tokens end a
+generation, and how long a context may be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: Any
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    eos_token_ids: set[int] = field(default_factory=set)
+
+    def encode(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+        """Token ids for a completion prompt, or for chat messages through the chat template
+        (ending with the assistant's turn opened, so the model answers)."""
+        if messages is not None:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"model {self.model_id} has no chat template; send a prompt")
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        if prompt is None:
+            raise ValueError("a request needs a prompt or messages")
+        return list(self.tokenizer(prompt).input_ids)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """bf16 on GPUs (the speed), fp32 on CPUs (where bf16 matmuls are slow or emulated)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load from a local directory, or from a hub id when the path does not exist."""
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path = Path(model)
+    model_id = path.name if path.is_dir() else model
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(dev).eval()
+    return LoadedModel(
+        model=lm,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        device=dev,
+        dtype=torch_dtype,
+        max_context=_max_context(lm.config, tokenizer),
+        eos_token_ids=_eos_ids(lm, tokenizer),
+    )
+
+
+def _max_context(config: Any, tokenizer: Any) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in _CONTEXT_KEYS:
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", 0)
+    if 0 < limit < 10**9:
+        return int(limit)
+    raise ValueError("cannot tell the model's context length from its config")
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:
+    """Union of what the tokenizer, config and generation config call end-of-sequence: chat
+    models often end a turn with a token that only the generation config names."""
+    ids: set[int] = set()
+    sources = [tokenizer.eos_token_id, getattr(model.config, "eos_token_id", None)]
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        sources.append(generation_config.eos_token_id)
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids

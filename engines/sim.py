@@ -1,0 +1,168 @@
+"""A simulated engine with a real engine's timing and no model.
+
+Load tests need queueing that looks like a GPU's (prefill linear in prompt length, a decode
+step that slows as the batch grows, a batch limit, continuous batching) without paying for
+one. Output is deterministic in the prompt, so a request retried on another worker yields
+the same tokens, as greedy decoding on a real engine would.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import EngineLoad, EngineRequest, StepOutput
+
+WORDS = (
+    "risk low medium high review score clear flag hold approve decline pattern velocity "
+    "merchant amount country device payee history limit exposure counterparty margin "
+    "collateral rating outlook stable negative positive watch liquidity"
+).split()
+
+
+@dataclass
+class SimTiming:
+    prefill_s_per_token: float = 0.00005
+    decode_base_s: float = 0.004
+    decode_s_per_seq: float = 0.0002
+    max_batch: int = 64
+    max_context: int = 8192
+    chars_per_token: int = 4
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    prompt_tokens: int
+    seed: int
+    text: str = ""
+    emitted: int = 0
+    generated: int = 0
+
+
+def count_prompt_tokens(prompt: str | None, messages: list[dict[str, Any]] | None,
+                        chars_per_token: int) -> int:
+    """What a tokenizer would roughly say: the sim charges prefill by it."""
+    if messages is not None:
+        chars = sum(len(str(m.get("content") or "")) + 4 for m in messages)
+    else:
+        chars = len(prompt or "")
+    return max(1, -(-chars // chars_per_token))
+
+
+def stop_cut(text: str, start: int, stops: list[str]) -> tuple[int, bool]:
+    """How much of ``text`` may be shown: up to a completed stop string (then True), else all
+    but a tail that could still grow into one (a partial stop is never shown)."""
+    best = None
+    for stop in stops:
+        pos = text.find(stop, max(0, start - len(stop) + 1))
+        if pos != -1 and (best is None or pos < best):
+            best = pos
+    if best is not None:
+        return best, True
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    return len(text) - hold, False
+
+
+@dataclass
+class SimEngine:
+    model_id: str = "slogate-sim"
+    timing: SimTiming = field(default_factory=SimTiming)
+    name: str = "sim"
+    _waiting: deque[_Seq] = field(default_factory=deque)
+    _running: list[_Seq] = field(default_factory=list)
+    _errors: list[StepOutput] = field(default_factory=list)
+    _last_step_s: float = 0.0
+
+    @property
+    def max_context(self) -> int:
+        return self.timing.max_context
+
+    def add_request(self, request: EngineRequest) -> None:
+        n = count_prompt_tokens(request.prompt, request.messages, self.timing.chars_per_token)
+        total = n + request.sampling.max_tokens
+        if total > self.timing.max_context:
+            self._errors.append(StepOutput(
+                request.id, prompt_tokens=n, error_status=400,
+                error=f"prompt ({n} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
+                      f"{total}, beyond the model's context of {self.timing.max_context} tokens"))
+            return
+        basis = request.prompt if request.prompt is not None else repr(request.messages)
+        self._waiting.append(_Seq(request, n, zlib.crc32(basis.encode())))
+
+    def abort_request(self, request_id: str) -> None:
+        self._waiting = deque(s for s in self._waiting if s.req.id != request_id)
+        self._running = [s for s in self._running if s.req.id != request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._errors)
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._errors = self._errors, []
+        t = self.timing
+        prefill_tokens = 0
+        while self._waiting and len(self._running) < t.max_batch:
+            seq = self._waiting.popleft()
+            prefill_tokens += seq.prompt_tokens
+            self._running.append(seq)
+        if not self._running:
+            return outputs
+        cost = prefill_tokens * t.prefill_s_per_token
+        cost += t.decode_base_s + t.decode_s_per_seq * len(self._running)
+        if cost > 0:
+            time.sleep(cost)
+        self._last_step_s = cost
+        now = time.time()
+        still = []
+        for seq in self._running:
+            out = self._advance(seq, now)
+            if out.text or out.finish_reason:
+                outputs.append(out)
+            if out.finish_reason is None:
+                still.append(seq)
+        self._running = still
+        return outputs
+
+    def _advance(self, seq: _Seq, now: float) -> StepOutput:
+        out = StepOutput(seq.req.id, prompt_tokens=seq.prompt_tokens)
+        if now > seq.req.deadline:
+            out.finish_reason = "deadline"
+            out.completion_tokens = seq.generated
+            return out
+        word = WORDS[(seq.seed + seq.generated * 7919) % len(WORDS)]
+        start = len(seq.text)
+        seq.text += f" {word}"
+        seq.generated += 1
+        out.token_ids = [(seq.seed + seq.generated) % 32000]
+        cut, stopped = stop_cut(seq.text, start, seq.req.sampling.stop)
+        if stopped:
+            out.finish_reason = "stop"
+        elif seq.generated >= seq.req.sampling.max_tokens:
+            out.finish_reason = "length"
+            cut = len(seq.text)
+        out.text = seq.text[seq.emitted:cut]
+        seq.emitted = max(seq.emitted, cut)
+        out.completion_tokens = seq.generated
+        return out
+
+    def load(self) -> EngineLoad:
+        t = self.timing
+        return EngineLoad(
+            running=len(self._running), waiting=len(self._waiting), capacity=t.max_batch,
+            prefill_s_per_token=t.prefill_s_per_token, decode_step_s=self._last_step_s
+            or t.decode_base_s + t.decode_s_per_seq)
+
+
+def create(model: str | None = None, **options: Any) -> SimEngine:
+    timing = SimTiming(**{k: options.pop(k) for k in list(options) if hasattr(SimTiming, k)})
+    if options:
+        raise ValueError(f"unknown sim engine options: {', '.join(sorted(options))}")
+    return SimEngine(model_id=model or "slogate-sim", timing=timing)

@@ -1,0 +1,338 @@
+"""The worker: the Redis side of an engine.
+
+It reads its pool's request stream through a consumer group, feeds the engine between steps,
+writes each step's output to the request's result stream, and acknowledges a request only
+once its final record is written. A worker that dies therefore leaves its requests pending,
+and a live one claims them after ``claim_idle_s``; live workers keep their own entries fresh
+so that a long generation is never mistaken for an orphan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from prometheus_client import start_http_server
+from redis.exceptions import RedisError, ResponseError
+
+from engines.base import Engine, EngineRequest, StepOutput
+from slogate import keys, protocol
+from slogate.config import Config
+from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
+
+log = logging.getLogger("slogate.worker")
+
+
+@dataclass
+class WorkerSettings:
+    pool: str
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    claim_idle_s: float = 15.0
+    max_attempts: int = 3
+    result_ttl_s: float = 60.0
+    intake_factor: int = 2
+    """Requests held (running + waiting in the engine) as a multiple of the engine's batch:
+    enough to keep batches full, few enough that the rest stays in Redis for other workers."""
+
+
+@dataclass
+class _InFlight:
+    req: GenerateRequest
+    entry_id: bytes
+    attempt: int
+    received_at: float
+    offset: int = 0
+    first_token_at: float = 0.0
+
+
+class Worker:
+    def __init__(self, engine: Engine, redis: aioredis.Redis, settings: WorkerSettings) -> None:
+        self.engine = engine
+        self.redis = redis
+        self.s = settings
+        self.queue = keys.queue(settings.pool)
+        self.inflight: dict[str, _InFlight] = {}
+        self._adds: list[tuple[GenerateRequest, bytes, int]] = []
+        self._aborts: set[str] = set()
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+
+    async def run(self) -> None:
+        await self._ensure_group()
+        log.info("worker %s serving pool %s with %s engine (model %s)", self.s.worker_id,
+                 self.s.pool, self.engine.name, self.engine.model_id)
+        tasks = [asyncio.create_task(coro) for coro in (
+            self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._cancel_loop())]
+        try:
+            await self._engine_loop()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                await self.redis.delete(keys.heartbeat(self.s.pool, self.s.worker_id))
+            except RedisError:
+                pass
+            self._executor.shutdown(wait=False)
+
+    def stop(self) -> None:
+        """Take no new work; finish what is held (unfinished entries stay pending for others)."""
+        self._stopping.set()
+        self._wake.set()
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.queue, keys.GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- intake ---------------------------------------------------------------------------
+
+    def _room(self) -> int:
+        load = self.engine.load()
+        return max(0, load.capacity * self.s.intake_factor - len(self.inflight))
+
+    async def _intake_loop(self) -> None:
+        while not self._stopping.is_set():
+            room = self._room()
+            if room == 0:
+                await asyncio.sleep(0.002)
+                continue
+            try:
+                resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
+                                                   count=room, block=500)
+            except (RedisError, OSError) as exc:
+                log.warning("reading %s failed (%s); retrying", self.queue, exc)
+                await asyncio.sleep(0.5)
+                continue
+            if resp:
+                await self._accept(resp[0][1], attempts=None)
+
+    async def _accept(self, entries: Iterable[tuple[bytes, dict[bytes, bytes]]],
+                      attempts: dict[bytes, int] | None) -> None:
+        now = time.time()
+        fresh: list[tuple[GenerateRequest, bytes, int]] = []
+        drop: list[bytes] = []
+        for entry_id, fields in entries:
+            try:
+                req = protocol.decode_request(fields[protocol.FIELD])
+            except (protocol.ProtocolError, KeyError) as exc:
+                log.error("dropping unreadable entry %s on %s: %s", entry_id, self.queue, exc)
+                drop.append(entry_id)
+                continue
+            attempt = attempts.get(entry_id, 1) if attempts else 1
+            if req.id in self.inflight:
+                continue
+            if attempt > self.s.max_attempts:
+                await self._fail(req, entry_id, attempt, Error(
+                    f"request failed on {attempt - 1} workers in a row; not retried again",
+                    "worker_failed", 502, attempt))
+            elif now > req.deadline:
+                await self._fail(req, entry_id, attempt, Error(
+                    "deadline passed before a worker could start the request",
+                    "deadline_exceeded", 504, attempt))
+            else:
+                fresh.append((req, entry_id, attempt))
+        if drop:
+            await self._ack(drop)
+        if not fresh:
+            return
+        cancelled = await self.redis.mget([keys.cancel(r.id) for r, _, _ in fresh])
+        for (req, entry_id, attempt), flag in zip(fresh, cancelled):
+            if flag is not None:
+                await self._ack([entry_id])
+                continue
+            self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
+            self._adds.append((req, entry_id, attempt))
+        self._wake.set()
+
+    async def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
+        async with self.redis.pipeline(transaction=False) as p:
+            self._write(p, req, err)
+            p.xack(self.queue, keys.GROUP, entry_id)
+            p.xdel(self.queue, entry_id)
+            await p.execute()
+
+    async def _ack(self, entry_ids: list[bytes]) -> None:
+        async with self.redis.pipeline(transaction=False) as p:
+            p.xack(self.queue, keys.GROUP, *entry_ids)
+            p.xdel(self.queue, *entry_ids)
+            await p.execute()
+
+    # -- engine ---------------------------------------------------------------------------
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                if self._stopping.is_set():
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            if outputs:
+                await self._publish(outputs)
+
+    def _apply_pending(self) -> None:
+        for request_id in self._aborts:
+            if self.inflight.pop(request_id, None) is not None:
+                self.engine.abort_request(request_id)
+        self._aborts.clear()
+        adds, self._adds = self._adds, []
+        for req, _, _ in adds:
+            if req.id in self.inflight:
+                self.engine.add_request(EngineRequest(
+                    id=req.id, sampling=req.sampling, deadline=req.deadline,
+                    prompt=req.prompt, messages=req.messages))
+
+    async def _publish(self, outputs: list[StepOutput]) -> None:
+        now = time.time()
+        done: list[bytes] = []
+        async with self.redis.pipeline(transaction=False) as p:
+            for out in outputs:
+                job = self.inflight.get(out.request_id)
+                if job is None:
+                    continue
+                if out.error is not None:
+                    code = "invalid_request_error" if out.error_status < 500 else "engine_error"
+                    self._write(p, job.req, Error(out.error, code, out.error_status, job.attempt))
+                else:
+                    if out.text:
+                        if not job.first_token_at:
+                            job.first_token_at = now
+                        self._write(p, job.req, Delta(out.text, job.offset, job.attempt,
+                                                      out.token_ids))
+                        job.offset += len(out.text)
+                    if out.finish_reason is None:
+                        continue
+                    self._write(p, job.req, Final(
+                        out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
+                        queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
+                        ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
+                done.append(job.entry_id)
+                del self.inflight[out.request_id]
+            if done:
+                p.xack(self.queue, keys.GROUP, *done)
+                p.xdel(self.queue, *done)
+            try:
+                await p.execute()
+            except (RedisError, OSError) as exc:
+                log.error("publishing %d outputs failed: %s", len(outputs), exc)
+
+    def _write(self, p: aioredis.client.Pipeline, req: GenerateRequest, msg: Delta | Final | Error) -> None:
+        key = keys.result(req.id)
+        p.xadd(key, {protocol.FIELD: protocol.encode(msg)})
+        ttl = max(1.0, req.deadline - time.time()) + self.s.result_ttl_s
+        p.pexpire(key, int(ttl * 1000))
+
+    # -- cancels, heartbeats, orphans -----------------------------------------------------
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(keys.CANCEL_CHANNEL)
+                async for msg in pubsub.listen():
+                    request_id = msg["data"].decode()
+                    if request_id in self.inflight:
+                        self._aborts.add(request_id)
+                        self._wake.set()
+            except (RedisError, OSError) as exc:
+                log.warning("cancel subscription lost (%s); resubscribing", exc)
+                await asyncio.sleep(0.5)
+            finally:
+                await pubsub.aclose()
+
+    def heartbeat(self) -> Heartbeat:
+        load = self.engine.load()
+        return Heartbeat(
+            worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
+            models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
+            running=load.running, waiting=load.waiting + len(self._adds), capacity=load.capacity,
+            kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
+            decode_step_s=load.decode_step_s, ts=time.time())
+
+    async def _heartbeat_loop(self) -> None:
+        key = keys.heartbeat(self.s.pool, self.s.worker_id)
+        while not self._stopping.is_set():
+            try:
+                await self.redis.set(key, protocol.encode(self.heartbeat()),
+                                     px=int(self.s.heartbeat_ttl_s * 1000))
+            except (RedisError, OSError) as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.s.heartbeat_interval_s)
+
+    async def _claim_loop(self) -> None:
+        idle_ms = int(self.s.claim_idle_s * 1000)
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.s.claim_idle_s / 3)
+            try:
+                await self._refresh_own()
+                if self._room():
+                    await self._claim_orphans(idle_ms)
+            except (RedisError, OSError) as exc:
+                log.warning("claim pass failed: %s", exc)
+
+    async def _refresh_own(self) -> None:
+        """Reset the idle time of what this worker holds, so nobody claims a live request."""
+        ids = [job.entry_id for job in self.inflight.values()]
+        if ids:
+            await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0, ids, justid=True)
+
+    async def _claim_orphans(self, idle_ms: int) -> None:
+        _, entries, deleted = await self.redis.xautoclaim(
+            self.queue, keys.GROUP, self.s.worker_id, idle_ms, "0-0", count=self._room())
+        if deleted:
+            await self.redis.xack(self.queue, keys.GROUP, *deleted)
+        entries = [(eid, fields) for eid, fields in entries if fields]
+        if not entries:
+            return
+        attempts = {}
+        for eid, _ in entries:
+            info = await self.redis.xpending_range(self.queue, keys.GROUP, eid, eid, 1)
+            attempts[eid] = info[0]["times_delivered"] if info else 2
+        log.warning("claimed %d request(s) left by a dead worker", len(entries))
+        await self._accept(entries, attempts)
+
+
+async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30.0,
+                     metrics_port: int = 0) -> None:
+    """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
+    if metrics_port:
+        start_http_server(metrics_port)
+    redis = aioredis.Redis.from_url(cfg.redis_url or "redis://127.0.0.1:6379/0", max_connections=16,
+                                    socket_connect_timeout=2, health_check_interval=10)
+    worker = Worker(engine, redis, WorkerSettings(
+        pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
+        claim_idle_s=cfg.claim_idle_s, max_attempts=cfg.max_attempts, result_ttl_s=cfg.result_ttl_s))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    task = asyncio.create_task(worker.run())
+    stopping = asyncio.create_task(worker._stopping.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            await asyncio.wait_for(asyncio.shield(task), grace_s)
+        task.result()
+    except TimeoutError:
+        log.warning("grace period over; %d request(s) left pending for other workers", len(worker.inflight))
+        task.cancel()
+    finally:
+        stopping.cancel()
+        await redis.aclose()

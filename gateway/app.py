@@ -1,0 +1,169 @@
+"""The aiohttp application: middlewares for what every request shares, thin handlers, and
+the background tasks (result reader, fleet view) tied to the app's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+import redis.asyncio as aioredis
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import completions
+from gateway.batcher import CommandBatcher
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.results import ResultMux
+from gateway.state import STATE, GatewayState
+from gateway.workers import WorkerDirectory
+from slogate.config import Config
+
+log = logging.getLogger("slogate.gateway")
+_CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+_json = msgspec.json.Encoder()
+
+
+@web.middleware
+async def edge(request: web.Request, handler) -> web.StreamResponse:
+    """Request id on every response; every failure in OpenAI's error shape."""
+    given = request.headers.get("x-request-id")
+    request_id = given if given and _CLIENT_ID.match(given) else uuid.uuid4().hex
+    request["request_id"] = request_id
+    try:
+        resp = await handler(request)
+    except APIError as err:
+        resp = err.response()
+        request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
+    except web.HTTPException as exc:
+        resp = _http_error(request, exc).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        resp = APIError(500, "internal error in the gateway; the request id is in x-request-id",
+                        None, "internal_error").response()
+    if not resp.prepared:
+        resp.headers["x-request-id"] = request_id
+    return resp
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
+    if exc.status == 405:
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+        return APIError(405, f"method {request.method} is not allowed on {request.path}"
+                             + (f" (allowed: {allowed})" if allowed else ""), None, "method_not_allowed",
+                        {"Allow": allowed} if allowed else None)
+    if exc.status == 404:
+        return APIError(404, f"no such endpoint: {request.method} {request.path}", None, "unknown_url")
+    if exc.status == 413:
+        return APIError(413, "request body too large", None, "request_too_large")
+    return APIError(exc.status, exc.reason or "request failed", None, None)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    view = request.app[STATE].directory.view
+    created = int(request.app[STATE].started_at)
+    data = [{"id": m.id, "object": "model", "created": created, "owned_by": "slogate",
+             "max_model_len": m.max_context, "pools": view.pools_serving(m.id)}
+            for m in sorted(view.models().values(), key=lambda m: m.id)]
+    return web.json_response({"object": "list", "data": data}, dumps=lambda o: _json.encode(o).decode())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ok, why = state.directory.ready()
+    if state.draining:
+        ok, why = False, "shutting down"
+    return web.json_response({"status": "ok" if ok else "unavailable", "reason": why},
+                             status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _export_fleet(state)
+    resp = web.Response(body=generate_latest(state.metrics.registry))
+    resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
+    return resp
+
+
+def _export_fleet(state: GatewayState) -> None:
+    m = state.metrics
+    view = state.directory.view
+    pools = view.pools()
+    for pool, depth in view.queue_depth.items():
+        hbs = pools.get(pool, [])
+        m.queue_depth.labels(pool).set(depth)
+        m.live_workers.labels(pool).set(len(hbs))
+        m.running.labels(pool).set(sum(hb.running for hb in hbs))
+        m.kv_usage.labels(pool).set(sum(hb.kv_usage for hb in hbs) / len(hbs) if hbs else 0.0)
+
+
+def make_app(cfg: Config) -> web.Application:
+    app = web.Application(middlewares=[edge], client_max_size=cfg.max_body_bytes)
+    app.router.add_post("/v1/chat/completions", completions.chat)
+    app.router.add_post("/v1/completions", completions.completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.cleanup_ctx.append(_resources(cfg))
+    return app
+
+
+def _resources(cfg: Config):
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        url = cfg.redis_url or "redis://127.0.0.1:6379/0"
+        commands = aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2,
+                                           socket_timeout=5, health_check_interval=10)
+        reader = aioredis.Redis.from_url(url, single_connection_client=True,
+                                         socket_connect_timeout=2, socket_timeout=None)
+        batcher = CommandBatcher(commands)
+        state = GatewayState(cfg, commands, batcher, ResultMux(reader, batcher),
+                             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics())
+        app[STATE] = state
+        await state.directory.refresh()
+        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run())]
+        yield
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await state.mux.close()
+        await reader.aclose()
+        await commands.aclose()
+
+    return ctx
+
+
+async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish."""
+    app = make_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
+    await site.start()
+    log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    state = app[STATE]
+    state.draining = True
+    log.info("draining: %d request(s) in flight, grace %.0fs", state.in_flight, grace_s)
+    end = time.monotonic() + grace_s
+    while state.in_flight and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()

@@ -1,0 +1,242 @@
+"""``/v1/chat/completions`` and ``/v1/completions``: HTTP in, a queued request, HTTP out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from gateway import openai_shapes as shapes
+from gateway import schema
+from gateway.errors import APIError, bad_request
+from gateway.relay import Relay, SplicedOutput
+from gateway.results import Subscription
+from gateway.state import STATE, GatewayState
+from slogate import keys, protocol
+from slogate.protocol import Delta, Error, Final, GenerateRequest
+
+TIMEOUT_HEADER = "x-slogate-timeout"
+CLASS_HEADER = "x-slogate-class"
+
+
+@dataclass
+class _Job:
+    """One admitted request on its way through the gateway."""
+
+    state: GatewayState
+    parsed: schema.ParsedRequest
+    gen: GenerateRequest
+    sub: Subscription
+    arrived: float
+    headers: dict[str, str]
+    first_token_at: float = 0.0
+    completion_tokens: int = 0
+    outcome: str = "error"
+    worker_done: bool = False
+    """A final or error record came: nothing is left to cancel."""
+
+    @property
+    def labels(self) -> tuple[str, str, str]:
+        return self.gen.cls, self.gen.pool, self.gen.model
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of "
+                            f"{limit} bytes", None, "request_too_large")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, f"request body exceeds the limit of {limit} bytes", None,
+                       "request_too_large") from None
+
+
+def _deadline(request: web.Request, now: float, default_s: float) -> float:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return now + default_s
+    try:
+        timeout = float(raw)
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout <= default_s:
+        raise bad_request(f"header {TIMEOUT_HEADER} must be a number of seconds in (0, {default_s:g}]",
+                          TIMEOUT_HEADER)
+    return now + timeout
+
+
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.draining:
+        raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down")
+    arrived = time.time()
+    body = await _read_body(request, state.cfg.max_body_bytes)
+    parsed = schema.parse(kind, body, state.cfg.default_max_tokens)
+    deadline = _deadline(request, arrived, state.cfg.request_timeout_s)
+    pool, cls, reason = _route(state, parsed, request.headers.get(CLASS_HEADER))
+
+    request_id = uuid.uuid4().hex
+    gen = GenerateRequest(
+        id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
+        deadline=deadline, enqueued_at=arrived, prompt=parsed.prompt, messages=parsed.messages)
+    headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool}
+    job = _Job(state, parsed, gen, state.mux.subscribe(request_id), arrived, headers)
+    state.in_flight += 1
+    state.metrics.in_flight.inc()
+    try:
+        try:
+            await state.batcher.call("XADD", keys.queue(pool), "*", protocol.FIELD, protocol.encode(gen))
+        except (RedisError, OSError) as exc:
+            raise APIError(503, f"cannot queue the request: Redis is unavailable ({exc})", None,
+                           "redis_unavailable") from None
+        if parsed.stream:
+            return await _stream(request, job)
+        return await _collect(job)
+    finally:
+        if not job.worker_done:
+            state.cancel(request_id, deadline)
+        state.mux.unsubscribe(job.sub)
+        state.in_flight -= 1
+        state.metrics.in_flight.dec()
+        _observe(job)
+
+
+def _route(state: GatewayState, parsed: schema.ParsedRequest, header_class: str | None) -> tuple[str, str, str]:
+    view = state.directory.view
+    if not view.heartbeats:
+        raise APIError(503, "no live worker is serving any model; start a worker "
+                            "(slogate worker --pool NAME)", None, "no_live_worker")
+    model = view.models().get(parsed.model)
+    if model is None:
+        served = ", ".join(sorted(view.models())) or "none"
+        raise APIError(404, f"model '{parsed.model}' is not served here (served: {served})",
+                       "model", "model_not_found")
+    if parsed.sampling.max_tokens >= model.max_context:
+        raise bad_request(f"max_tokens ({parsed.sampling.max_tokens}) must be below the model's "
+                          f"context length ({model.max_context})", "max_tokens", "context_length_exceeded")
+    if header_class not in (None, "interactive", "batch"):
+        raise bad_request(f"header {CLASS_HEADER} must be 'interactive' or 'batch'", CLASS_HEADER)
+    if header_class:
+        cls, reason = header_class, "header"
+    elif parsed.stream or parsed.sampling.max_tokens <= 64:
+        cls, reason = "interactive", "heuristic"
+    else:
+        cls, reason = "batch", "heuristic"
+
+    pools = view.pools_serving(parsed.model)
+    pool = cls if cls in pools else pools[0]
+    return pool, cls, reason
+
+
+async def _records(job: _Job, relay: Relay):
+    """Yield (new text, record) for each record that moves the answer on, until the last."""
+    try:
+        async with asyncio.timeout(job.gen.deadline - time.time() + 0.25):
+            while True:
+                rec = await job.sub.records.get()
+                try:
+                    text = relay.accept(rec)
+                except SplicedOutput as exc:
+                    raise APIError(502, str(exc), None, "worker_failed") from None
+                if isinstance(rec, Delta):
+                    if text is None:
+                        continue
+                    if not job.first_token_at:
+                        job.first_token_at = time.time()
+                elif rec.attempt and rec.attempt < relay.attempt:
+                    continue
+                yield text, rec
+                if not isinstance(rec, Delta):
+                    return
+    except TimeoutError:
+        job.outcome = "deadline"
+        raise APIError(504, "the request did not finish before its deadline", None,
+                       "deadline_exceeded") from None
+
+
+def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
+    job.worker_done = True
+    if isinstance(rec, Error):
+        job.outcome = rec.code
+        return APIError(rec.status, rec.message, None, rec.code)
+    if rec.finish_reason == "deadline":
+        job.outcome = "deadline"
+        return APIError(504, "the request did not finish before its deadline", None, "deadline_exceeded")
+    if rec.finish_reason in ("cancelled", "error"):
+        job.outcome = rec.finish_reason
+        return APIError(502, f"the worker ended the request ({rec.finish_reason})", None, "worker_failed")
+    job.outcome = rec.finish_reason
+    job.completion_tokens = rec.completion_tokens
+    job.state.metrics.queue_wait.labels(*job.labels).observe(rec.queue_wait_s)
+    job.state.metrics.prompt_tokens.labels(*job.labels).inc(rec.prompt_tokens)
+    return None
+
+
+async def _collect(job: _Job) -> web.Response:
+    relay = Relay(streamed=False, deterministic=job.gen.sampling.deterministic)
+    async for _, rec in _records(job, relay):
+        if isinstance(rec, Delta):
+            continue
+        err = _final_error(job, rec)
+        if err is not None:
+            raise err
+        body = shapes.full_response(
+            job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id), int(job.arrived),
+            job.gen.model, relay.text, rec.finish_reason, shapes.usage(rec.prompt_tokens, rec.completion_tokens))
+        return web.Response(body=body, content_type="application/json", headers=job.headers)
+    raise APIError(502, "the result stream ended without a final record", None, "worker_failed")
+
+
+async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
+    relay = Relay(streamed=True, deterministic=job.gen.sampling.deterministic)
+    resp = web.StreamResponse(headers={
+        **job.headers, "content-type": "text/event-stream", "cache-control": "no-cache",
+        "x-request-id": request["request_id"], "x-accel-buffering": "no"})
+    await resp.prepare(request)
+    chunks = shapes.ChunkWriter(job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id),
+                                int(job.arrived), job.gen.model)
+    if job.parsed.kind == "chat":
+        await resp.write(chunks.role())
+    try:
+        async for text, rec in _records(job, relay):
+            if isinstance(rec, Delta):
+                await resp.write(chunks.text(text))
+                continue
+            err = _final_error(job, rec)
+            if err is not None:
+                raise err
+            await resp.write(chunks.finish(rec.finish_reason))
+            if job.parsed.include_usage:
+                await resp.write(chunks.usage(shapes.usage(rec.prompt_tokens, rec.completion_tokens)))
+    except APIError as err:
+        await resp.write(shapes.sse_error(err.body()))
+    await resp.write(shapes.DONE)
+    await resp.write_eof()
+    return resp
+
+
+def _observe(job: _Job) -> None:
+    m = job.state.metrics
+    labels = job.labels
+    m.requests.labels(*labels, job.outcome).inc()
+    if job.outcome not in ("stop", "length"):
+        return
+    end = time.time()
+    m.e2e.labels(*labels).observe(end - job.arrived)
+    if job.first_token_at:
+        m.ttft.labels(*labels).observe(job.first_token_at - job.arrived)
+        if job.completion_tokens > 1:
+            m.tpot.labels(*labels).observe((end - job.first_token_at) / (job.completion_tokens - 1))
+    m.generation_tokens.labels(*labels).inc(job.completion_tokens)

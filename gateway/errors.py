@@ -1,0 +1,42 @@
+"""Every way a request can fail, as one exception whose status follows from what went wrong.
+
+Handlers raise :class:`APIError`; one middleware turns it into OpenAI's error shape, so no
+code path can answer a client's mistake with a 500 or a bare HTML page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+          502: "api_error", 503: "service_unavailable", 504: "timeout_error"}
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "api_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=msgspec.json.encode(self.body()),
+                            content_type="application/json", headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)

@@ -1,0 +1,49 @@
+"""Prometheus metrics of the gateway, named as vLLM and TGI name theirs, with a prefix.
+
+Latency buckets step by 5-10 ms up to 300 ms so that a 150 ms P99 can be read off them; a
+first bucket above the objective would make the objective invisible.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+FINE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08,
+    0.09, 0.1, 0.11, 0.12, 0.13, 0.14, 0.15, 0.16, 0.17, 0.18, 0.19, 0.2, 0.21, 0.22, 0.23,
+    0.24, 0.25, 0.26, 0.27, 0.28, 0.29, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                     0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry or CollectorRegistry()
+        self.registry = r
+        labels = ["class", "pool", "model"]
+        self.requests = Counter("slogate_requests", "Finished requests by outcome",
+                                ["class", "pool", "model", "outcome"], registry=r)
+        self.e2e = Histogram("slogate_e2e_request_latency_seconds", "Arrival to last byte",
+                             labels, buckets=FINE_BUCKETS, registry=r)
+        self.ttft = Histogram("slogate_time_to_first_token_seconds", "Arrival to first token",
+                              labels, buckets=FINE_BUCKETS, registry=r)
+        self.tpot = Histogram("slogate_time_per_output_token_seconds", "Mean gap between tokens",
+                              labels, buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.queue_wait = Histogram("slogate_queue_wait_seconds", "Enqueue to a worker taking it",
+                                    labels, buckets=FINE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("slogate_prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("slogate_generation_tokens", "Tokens generated", labels, registry=r)
+        self.in_flight = Gauge("slogate_gateway_requests_in_flight", "Requests open at this gateway", registry=r)
+        self.rejected = Counter("slogate_rejected_requests", "Requests refused before queueing",
+                                ["status", "code"], registry=r)
+        self.admission = Counter("slogate_admission_decisions", "Admission decisions",
+                                 ["class", "decision", "reason"], registry=r)
+        self.queue_depth = Gauge("slogate_num_requests_waiting", "Entries in a pool's request stream",
+                                 ["pool"], registry=r)
+        self.running = Gauge("slogate_num_requests_running", "Requests running on a pool's workers",
+                             ["pool"], registry=r)
+        self.live_workers = Gauge("slogate_live_workers", "Workers with a live heartbeat", ["pool"], registry=r)
+        self.kv_usage = Gauge("slogate_kv_cache_usage_ratio", "Mean KV-cache usage of a pool's workers",
+                              ["pool"], registry=r)

@@ -1,0 +1,68 @@
+"""OpenAI's response and stream-chunk shapes, for chat and legacy completions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+_json = msgspec.json.Encoder()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_id(kind: str, request_id: str) -> str:
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+
+
+def full_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
+                  use: dict[str, int]) -> bytes:
+    if kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    return _json.encode({"id": rid, "object": obj, "created": created, "model": model,
+                         "choices": [choice], "usage": use})
+
+
+class ChunkWriter:
+    """Builds the SSE frames of one streamed response."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str) -> None:
+        self.kind = kind
+        self.head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                     "created": created, "model": model}
+
+    def _frame(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return b"data: " + _json.encode({**self.head, "choices": choices, **extra}) + b"\n\n"
+
+    def role(self) -> bytes:
+        return self._frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+
+    def text(self, text: str) -> bytes:
+        if self.kind == "chat":
+            return self._frame([{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                 "finish_reason": None}])
+        return self._frame([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+
+    def finish(self, finish_reason: str) -> bytes:
+        if self.kind == "chat":
+            return self._frame([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        return self._frame([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage(self, use: dict[str, int]) -> bytes:
+        return self._frame([], usage=use)
+
+
+def sse_error(body: dict[str, Any]) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,54 @@
+"""Turn a request's result records into client text exactly once, across worker retries.
+
+When a worker dies mid-request another one replays it from the start. Each delta says where
+its text starts (``offset``) and which delivery made it (``attempt``), so the replayed prefix
+is dropped. A replay can only be trusted to repeat the same text when decoding is
+deterministic; if it is not and text was already streamed, the client gets an error rather
+than a spliced answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slogate.protocol import Delta, Error, Final, Result
+
+
+class SplicedOutput(Exception):
+    """A retry would contradict text the client already has."""
+
+
+@dataclass
+class Relay:
+    streamed: bool
+    deterministic: bool
+    attempt: int = 0
+    text: str = ""
+    """Everything accepted so far (for a streamed request: what the client was sent)."""
+
+    def accept(self, rec: Result) -> str | None:
+        """The new text a record adds, or None when the record is stale or repeats."""
+        if rec.attempt and rec.attempt < self.attempt:
+            return None
+        if rec.attempt > self.attempt:
+            self._new_attempt(rec)
+        if not isinstance(rec, Delta):
+            return None
+        start = len(self.text) - rec.offset
+        if start >= len(rec.text):
+            return None
+        new = rec.text[max(0, start):]
+        self.text += new
+        return new
+
+    def _new_attempt(self, rec: Delta | Final | Error) -> None:
+        first = self.attempt == 0
+        self.attempt = rec.attempt
+        if first or self.deterministic or not self.text:
+            return
+        if self.streamed:
+            raise SplicedOutput("the worker serving this request failed after streaming part of "
+                                "the answer, and sampling is not deterministic, so it cannot resume")
+        self.text = ""
+        if isinstance(rec, Delta) and rec.offset:
+            raise SplicedOutput("a retried request resumed mid-answer with non-deterministic sampling")

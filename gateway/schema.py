@@ -1,0 +1,214 @@
+"""The OpenAI request bodies, and the one place that decides how a body can be wrong.
+
+Bodies are decoded straight into typed structs (msgspec: strict types, one pass, no dict
+walking); every failure becomes an :class:`APIError` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from gateway.errors import APIError, bad_request
+from slogate.protocol import SamplingParams
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: bool | int | None = None
+    tools: list[Any] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[Message] = msgspec.field(default_factory=list)
+    max_completion_tokens: int | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[Any] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request, reduced to what the rest of the gateway needs."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    stream: bool
+    include_usage: bool
+    sampling: SamplingParams
+    max_tokens_given: bool
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    @property
+    def prompt_chars(self) -> int:
+        if self.messages is not None:
+            return sum(len(m["content"]) for m in self.messages)
+        return len(self.prompt or "")
+
+
+_decoders = {"chat": msgspec.json.Decoder(ChatBody), "completion": msgspec.json.Decoder(CompletionBody)}
+_AT = re.compile(r" - at `\$\.?(.*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int) -> ParsedRequest:
+    if not body.strip():
+        raise bad_request("request body is empty; send a JSON object", code="invalid_json")
+    try:
+        raw = _decoders[kind].decode(body)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        text = str(exc)
+        if "UTF-8" in text:
+            raise bad_request("request body is not valid UTF-8", code="invalid_encoding") from None
+        raise bad_request(f"request body is not valid JSON: {text}", code="invalid_json") from None
+    return _check(kind, raw, default_max_tokens)
+
+
+def _validation_error(text: str) -> APIError:
+    at = _AT.search(text)
+    missing = _MISSING.search(text)
+    if missing:
+        where = at.group(1) if at else ""
+        param = f"{where}.{missing.group(1)}" if where else missing.group(1)
+        return bad_request(f"missing required field '{param}'", param, "missing_required_parameter")
+    if at:
+        param = at.group(1) or None
+        return bad_request(f"invalid value for '{param}': {text[:at.start()]}", param, "invalid_type")
+    return bad_request(f"invalid request body: {text}", None, "invalid_type")
+
+
+def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -> ParsedRequest:
+    if not raw.model:
+        raise bad_request("'model' must be a non-empty string", "model")
+    if raw.n not in (None, 1):
+        raise bad_request("only n=1 is supported; send one request per completion", "n", "unsupported_value")
+    if raw.tools:
+        raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
+    if raw.logprobs:
+        raise bad_request("logprobs are not supported by this gateway", "logprobs", "unsupported_value")
+    temperature = _ranged(raw.temperature, "temperature", 0.0, 2.0, 1.0)
+    top_p = _ranged(raw.top_p, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise bad_request("'top_p' must be greater than 0", "top_p")
+    presence = _ranged(raw.presence_penalty, "presence_penalty", -2.0, 2.0, 0.0)
+    frequency = _ranged(raw.frequency_penalty, "frequency_penalty", -2.0, 2.0, 0.0)
+    if raw.top_k is not None and raw.top_k < 0:
+        raise bad_request("'top_k' must be >= 0 (0 disables it)", "top_k")
+    stops = [raw.stop] if isinstance(raw.stop, str) else list(raw.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop sequences are allowed", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters", "stop")
+
+    max_tokens = raw.max_tokens
+    param = "max_tokens"
+    if isinstance(raw, ChatBody) and raw.max_completion_tokens is not None:
+        max_tokens, param = raw.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"'{param}' must be at least 1, got {max_tokens}", param)
+    min_tokens = raw.min_tokens or 0
+    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise bad_request("'min_tokens' must be between 0 and max_tokens", "min_tokens")
+
+    sampling = SamplingParams(
+        max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
+        top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=raw.stop_token_ids or [],
+        ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
+        frequency_penalty=frequency)
+    parsed = ParsedRequest(
+        kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
+        stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
+        sampling=sampling, max_tokens_given=max_tokens is not None)
+    if isinstance(raw, ChatBody):
+        parsed.messages = _messages(raw.messages)
+    else:
+        parsed.prompt = _prompt(raw)
+    return parsed
+
+
+def _ranged(value: float | None, name: str, lo: float, hi: float, default: float) -> float:
+    if value is None:
+        return default
+    if not math.isfinite(value) or not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
+    return float(value)
+
+
+def _messages(messages: list[Message]) -> list[dict[str, Any]]:
+    if not messages:
+        raise bad_request("'messages' must hold at least one message", "messages", "missing_required_parameter")
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"only text content parts are supported, got '{part.type}'",
+                                      f"messages[{i}].content[{j}].type", "unsupported_value")
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+def _prompt(raw: CompletionBody) -> str:
+    if raw.echo:
+        raise bad_request("echo is not supported by this gateway", "echo", "unsupported_value")
+    if raw.suffix:
+        raise bad_request("suffix is not supported by this gateway", "suffix", "unsupported_value")
+    prompt = raw.prompt
+    if prompt is None:
+        raise bad_request("missing required field 'prompt'", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise bad_request("'prompt' must be a string or a list of exactly one string "
+                              "(batched and token-id prompts are not supported)", "prompt", "unsupported_value")
+        prompt = prompt[0]
+    if not prompt:
+        raise bad_request("'prompt' must not be empty", "prompt")
+    return prompt

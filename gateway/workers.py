@@ -1,0 +1,96 @@
+"""The gateway's view of the live workers, refreshed from their heartbeat keys.
+
+Heartbeats are keys with a TTL, so a worker that dies simply disappears; the gateway never
+keeps its own list that could go stale. Reads happen on a timer (not per request), so the
+cost of knowing the fleet is independent of the request rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from slogate import keys, protocol
+from slogate.protocol import Heartbeat, ModelInfo
+
+log = logging.getLogger("slogate.gateway")
+
+
+@dataclass
+class FleetView:
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+    queue_depth: dict[str, int] = field(default_factory=dict)
+
+    def pools(self) -> dict[str, list[Heartbeat]]:
+        out: dict[str, list[Heartbeat]] = {}
+        for hb in self.heartbeats:
+            out.setdefault(hb.pool, []).append(hb)
+        return out
+
+    def models(self) -> dict[str, ModelInfo]:
+        """Each served model with the smallest context any of its workers allows."""
+        out: dict[str, ModelInfo] = {}
+        for hb in self.heartbeats:
+            for m in hb.models:
+                known = out.get(m.id)
+                if known is None or m.max_context < known.max_context:
+                    out[m.id] = m
+        return out
+
+    def pools_serving(self, model: str) -> list[str]:
+        return sorted({hb.pool for hb in self.heartbeats if any(m.id == model for m in hb.models)})
+
+
+class WorkerDirectory:
+    def __init__(self, redis: aioredis.Redis, pools: list[str], poll_s: float = 0.5) -> None:
+        self.redis = redis
+        self.configured_pools = pools
+        self.poll_s = poll_s
+        self.view = FleetView()
+        self.redis_ok = False
+        self.refreshed_at = 0.0
+
+    async def refresh(self) -> None:
+        try:
+            names = [k async for k in self.redis.scan_iter(match=keys.HEARTBEAT_PATTERN, count=1000)]
+            raw = await self.redis.mget(names) if names else []
+            heartbeats = []
+            for data in raw:
+                if data is None:
+                    continue
+                try:
+                    heartbeats.append(protocol.decode_heartbeat(data))
+                except protocol.ProtocolError as exc:
+                    log.warning("ignoring a heartbeat this gateway cannot read: %s", exc)
+            pools = sorted({*self.configured_pools, *(hb.pool for hb in heartbeats)})
+            async with self.redis.pipeline(transaction=False) as p:
+                for pool in pools:
+                    p.xlen(keys.queue(pool))
+                depths = await p.execute()
+        except (RedisError, OSError) as exc:
+            if self.redis_ok:
+                log.error("Redis unreachable: %s", exc)
+            self.redis_ok = False
+            return
+        self.view = FleetView(heartbeats, dict(zip(pools, depths)))
+        self.redis_ok = True
+        self.refreshed_at = time.monotonic()
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.poll_s)
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.redis_ok:
+            return False, "Redis is unreachable"
+        live = self.view.pools()
+        missing = [p for p in self.configured_pools if not live.get(p)]
+        if missing:
+            return False, f"no live worker in pool(s): {', '.join(missing)}"
+        return True, "ok"

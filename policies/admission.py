@@ -1,0 +1,176 @@
+"""Admit or shed: the decision the gateway makes before anything is queued.
+
+Interactive work is admitted when its predicted latency, inflated by the margin and by the
+feedback factor, fits its objective. Put the other way round (the concurrency bound): the
+service time must fit the budget, and the queue wait predicted from the backlog ahead must fit
+what the service time leaves. That form names why a request was shed: it can never fit
+("exceeds-objective", retrying will not help) or the pool is busy now ("overloaded", retry after
+the backlog drains). Interactive admission never looks at batch demand, so batch can never push
+interactive work out; batch is held back ("wait") while interactive load is high on pools the two
+share, and shed only when its bounded queue is full or its deadline cannot be met.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from policies.circuit import CircuitBreaker
+from policies.config import PolicyConfig
+from policies.feedback import LatencyFeedback
+from policies.predict import PoolEstimate, PoolSignals
+from policies.routing import Route, pick
+
+Outcome = Literal["admit", "wait", "shed", "unavailable", "expired"]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``status`` is the HTTP status to answer with when not admitted: 429 (shed, wait),
+    503 (unavailable), 504 (expired). ``reason`` is a short code for ``x-slogate-reason``;
+    ``retry_after_s`` 0 on a shed means retrying the same request will not help."""
+
+    outcome: Outcome
+    reason: str
+    status: int
+    retry_after_s: float = 0.0
+    predicted_s: float | None = None
+    pool: str | None = None
+    worker: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome == "admit"
+
+
+def deadline_for(cls: str, now: float, cfg: PolicyConfig) -> float:
+    """The absolute deadline a request of ``cls`` carries when the client sets none."""
+    if cls == "interactive":
+        return now + cfg.objectives.interactive.deadline_s
+    return now + cfg.objectives.batch.deadline_s
+
+
+class AdmissionController:
+    """One per gateway process. Holds what is learned (per-pool costs, the feedback factor, the
+    circuit breakers); everything else arrives as arguments, so it does no I/O and no clock
+    reads. Not thread-safe: call it from the event loop."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.estimates: dict[str, PoolEstimate] = {}
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.feedback = LatencyFeedback(cfg.admission.feedback)
+        routing = cfg.routing
+        self._shared = set(routing.pools["batch"]) & (set(routing.pools["interactive"]) | set(routing.interactive_spill))
+
+    def estimate(self, pool: str) -> PoolEstimate:
+        est = self.estimates.get(pool)
+        if est is None:
+            est = self.estimates[pool] = PoolEstimate.prior(self.cfg.admission.estimator)
+        return est
+
+    def breaker(self, pool: str) -> CircuitBreaker:
+        br = self.breakers.get(pool)
+        if br is None:
+            br = self.breakers[pool] = CircuitBreaker(self.cfg.circuit)
+        return br
+
+    def objective(self, stream: bool) -> float:
+        target = self.cfg.objectives.interactive
+        return target.ttft_p99_s if stream else target.e2e_p99_s
+
+    def budget(self, stream: bool) -> float:
+        """The predicted latency an interactive request may have and still be admitted."""
+        return self.objective(stream) / (self.cfg.admission.margin * self.feedback.factor)
+
+    def decide(self, *, cls: str, stream: bool, prompt_tokens: int, max_tokens: int | None,
+               signals: Mapping[str, PoolSignals], now: float, model: str | None = None,
+               deadline: float | None = None) -> Decision:
+        """Decide for one request. ``signals`` has every pool the gateway knows (queue depth
+        from Redis, the live heartbeats); ``max_tokens=None`` is costed at the pool's learned
+        mean output. A held-back batch request is asked about again with its ``deadline``."""
+        own = self.cfg.routing.pools[cls]
+        if max_tokens is None:
+            max_tokens = round(self.estimate(own[0]).completion_tokens)
+        usable = {p: s for p, s in signals.items() if self.breaker(p).ready(now)}
+        if cls == "interactive":
+            budget = self.budget(stream)
+            route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg)
+            return self._unavailable(own, signals, now) if route is None else self._interactive(route, budget, now)
+        return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline)
+
+    def _interactive(self, route: Route, budget: float, now: float) -> Decision:
+        pred = route.prediction
+        wait_budget = budget - pred.service_s
+        if wait_budget < 0:
+            return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
+        if pred.queue_wait_s > wait_budget:
+            retry = self._clamp_retry(pred.queue_wait_s - wait_budget)
+            return Decision("shed", "overloaded", 429, retry, pred.total_s, route.pool, route.worker)
+        self.breaker(route.pool).acquire(now)
+        return Decision("admit", "spill" if route.spilled else "fits", 200, 0.0, pred.total_s, route.pool, route.worker)
+
+    def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
+               signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
+               deadline: float | None) -> Decision:
+        target = self.cfg.objectives.batch
+        if deadline is not None and now >= deadline:
+            return Decision("expired", "deadline", 504)
+        route = pick("batch", stream, prompt_tokens, max_tokens, model, usable, self.estimate, None, self.cfg)
+        if route is not None:
+            pool, worker, predicted = route.pool, route.worker, route.prediction.total_s
+        else:
+            # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
+            pool = next((p for p in own if p in usable or p not in signals), None)
+            if pool is None:
+                return self._unavailable(own, signals, now)
+            worker, predicted = None, None
+        depth = usable[pool].queue_depth if pool in usable else 0
+        if depth >= target.max_queue:
+            drain = route.prediction.queue_wait_s if route is not None else target.hold_retry_s
+            return Decision("shed", "batch-queue-full", 429, self._clamp_retry(drain), predicted, pool, worker)
+        if deadline is not None and predicted is not None and now + predicted > deadline:
+            return Decision("shed", "cannot-meet-deadline", 429, 0.0, predicted, pool, worker)
+        if pool in self._shared and self._interactive_load(signals) >= target.hold_load:
+            return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
+        self.breaker(pool).acquire(now)
+        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker)
+
+    def _interactive_load(self, signals: Mapping[str, PoolSignals]) -> float:
+        demand = capacity = 0
+        for pool in self.cfg.routing.pools["interactive"]:
+            sig = signals.get(pool)
+            if sig is None:
+                continue
+            demand += sig.queue_depth
+            for w in sig.workers:
+                demand += w.running + w.waiting
+                capacity += w.capacity
+        return demand / capacity if capacity else 0.0
+
+    def _unavailable(self, own: list[str], signals: Mapping[str, PoolSignals], now: float) -> Decision:
+        blocked = [self.breakers[p].retry_after(now) for p in own
+                   if p in self.breakers and not self.breakers[p].ready(now)]
+        if blocked:
+            return Decision("unavailable", "circuit-open", 503, self._clamp_retry(min(blocked)))
+        return Decision("unavailable", "no-workers", 503, self.cfg.admission.unavailable_retry_after_s)
+
+    def _clamp_retry(self, seconds: float) -> float:
+        adm = self.cfg.admission
+        return round(min(max(seconds, adm.min_retry_after_s), adm.max_retry_after_s), 3)
+
+    def observe(self, *, pool: str, cls: str, stream: bool, prompt_tokens: int, completion_tokens: int,
+                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float) -> None:
+        """Report a request that finished on ``pool`` (from its Final record). Teaches the pool's
+        costs, counts as a success for its breaker and, for interactive work, feeds the loop."""
+        self.estimate(pool).observe(prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s,
+                                    self.cfg.admission.estimator.alpha)
+        self.breaker(pool).record_success(now)
+        if cls == "interactive":
+            self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream))
+
+    def observe_failure(self, pool: str, now: float) -> None:
+        """Report a request the pool failed (worker error, or no answer before the deadline).
+        Client cancellations and requests this controller shed are not failures."""
+        self.breaker(pool).record_failure(now)

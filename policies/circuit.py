@@ -1,0 +1,100 @@
+"""A circuit breaker per pool, so a broken pool fails fast (503) instead of eating deadlines.
+
+Closed: everything passes; N failures in a row, or a failure rate over a window of outcomes,
+opens it. Open: nothing passes until a cool-down ends. Half-open: a few probes pass; enough
+successes close it, any failure opens it again. Time is passed in, so tests drive the clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from policies.config import Circuit
+
+State = Literal["closed", "open", "half_open"]
+
+
+@dataclass
+class CircuitBreaker:
+    cfg: Circuit
+    opened_at: float | None = None
+    consecutive: int = 0
+    probes_in_flight: int = 0
+    probe_successes: int = 0
+    last_probe_at: float = 0.0
+    outcomes: deque[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outcomes = deque(maxlen=self.cfg.window)
+
+    def state(self, now: float) -> State:
+        if self.opened_at is None:
+            return "closed"
+        return "open" if now < self.opened_at + self.cfg.open_s else "half_open"
+
+    def ready(self, now: float) -> bool:
+        """Whether a request may go now. Does not take a probe slot: call ``acquire`` for the
+        request actually sent."""
+        state = self.state(now)
+        if state == "closed":
+            return True
+        if state == "open":
+            return False
+        if self.probes_in_flight and now >= self.last_probe_at + self.cfg.open_s:
+            # A probe whose outcome never came back (cancelled, lost) must not wedge the pool.
+            self.probes_in_flight = 0
+        return self.probes_in_flight < self.cfg.half_open_probes
+
+    def acquire(self, now: float) -> None:
+        if self.state(now) == "half_open":
+            self.probes_in_flight += 1
+            self.last_probe_at = now
+
+    def retry_after(self, now: float) -> float:
+        """Seconds until the breaker may let something through again."""
+        if self.opened_at is None:
+            return 0.0
+        return max(self.opened_at + self.cfg.open_s - now, 0.0)
+
+    def record_success(self, now: float) -> None:
+        state = self.state(now)
+        if state == "open":
+            return
+        if state == "half_open":
+            self.probes_in_flight = max(self.probes_in_flight - 1, 0)
+            self.probe_successes += 1
+            if self.probe_successes >= self.cfg.close_after:
+                self._close()
+            return
+        self.consecutive = 0
+        self.outcomes.append(True)
+
+    def record_failure(self, now: float) -> None:
+        state = self.state(now)
+        if state == "half_open":
+            self._open(now)
+            return
+        if state == "open":
+            return
+        self.consecutive += 1
+        self.outcomes.append(False)
+        failures = len(self.outcomes) - sum(self.outcomes)
+        if self.consecutive >= self.cfg.consecutive_failures or (
+            len(self.outcomes) >= self.cfg.min_calls
+            and failures >= self.cfg.failure_rate * len(self.outcomes)
+        ):
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self.opened_at = now
+        self.probes_in_flight = 0
+        self.probe_successes = 0
+
+    def _close(self) -> None:
+        self.opened_at = None
+        self.consecutive = 0
+        self.probes_in_flight = 0
+        self.probe_successes = 0
+        self.outcomes.clear()

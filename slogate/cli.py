@@ -1,0 +1,128 @@
+"""The ``slogate`` command: ``up`` (everything), ``gateway``, ``worker`` and ``tiny-model``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from typing import Any
+
+from slogate.config import Config, ConfigError, load_config
+
+log = logging.getLogger("slogate")
+
+
+def _engine_options(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; values are read as JSON when they parse (numbers, booleans)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"engine option {pair!r} must look like KEY=VALUE")
+        try:
+            out[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _run(main: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
+def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
+    from gateway.app import serve
+
+    _run(serve(cfg, grace_s=args.grace))
+
+
+def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
+    from engines.registry import create_engine
+    from engines.worker import run_worker
+
+    pool_cfg = cfg.pools.get(args.pool)
+    engine_name = args.engine or (pool_cfg.engine if pool_cfg else "sim")
+    options = {**(pool_cfg.options if pool_cfg else {}), **_engine_options(args.option)}
+    engine = create_engine(engine_name, args.model or cfg.model, options)
+    _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
+
+
+def cmd_tiny_model(args: argparse.Namespace, cfg: Config) -> None:
+    from engines.runtime.tiny_model import build_tiny_model
+
+    path = build_tiny_model(args.dir, size=args.size, seed=args.seed)
+    print(path)
+
+
+def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
+    from slogate.up import run_up
+
+    sys.exit(run_up(cfg, engine=args.engine, options=_engine_options(args.option)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slogate", description=__doc__)
+    parser.add_argument("--config", help="YAML config file (default: $SLOGATE_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run Redis (unless SLOGATE_REDIS_URL is set), the gateway and "
+                                   "one worker per pool, and stop them all on Ctrl-C")
+    up.add_argument("--model", help="local model directory or hub id (default: build the tiny model)")
+    up.add_argument("--engine", choices=["sim"], help="sim: simulated engines in every pool")
+    up.add_argument("--port", type=int)
+    up.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option for every worker (e.g. -o decode_base_s=0.004)")
+    up.set_defaults(func=cmd_up)
+
+    gw = sub.add_parser("gateway", help="run one gateway process")
+    gw.add_argument("--port", type=int)
+    gw.add_argument("--host")
+    gw.add_argument("--grace", type=float, default=30.0, help="seconds open requests get on SIGTERM")
+    gw.set_defaults(func=cmd_gateway)
+
+    wk = sub.add_parser("worker", help="run one engine worker for a pool")
+    wk.add_argument("--pool", required=True)
+    wk.add_argument("--engine", choices=["sim", "stream", "paged"])
+    wk.add_argument("--model")
+    wk.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
+    wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
+    wk.add_argument("--grace", type=float, default=30.0)
+    wk.set_defaults(func=cmd_worker)
+
+    tm = sub.add_parser("tiny-model", help="build the small local test model (no download)")
+    tm.add_argument("dir")
+    tm.add_argument("--size", choices=["tiny", "100m"], default="tiny")
+    tm.add_argument("--seed", type=int, default=0)
+    tm.set_defaults(func=cmd_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    overrides = {k: getattr(args, k, None) for k in ("port", "host", "model")}
+    try:
+        cfg = load_config(args.config, overrides=overrides)
+        _setup_logging(cfg.log_level)
+        args.func(args, cfg)
+    except ConfigError as exc:
+        print(f"slogate: configuration error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (ValueError, RuntimeError) as exc:
+        print(f"slogate: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

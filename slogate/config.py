@@ -1,0 +1,126 @@
+"""Configuration: one YAML file plus ``SLOGATE_*`` environment overrides, validated at start.
+
+A bad value stops the process with a message naming the key, because a gateway that starts
+with a silently ignored setting is worse than one that does not start.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
+    engine: str = "sim"
+    """sim | stream | paged"""
+    workers: int = 1
+    options: dict[str, Any] = {}
+    """Passed to the engine factory (sim timings, block budget, dtype...)."""
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {"interactive": PoolConfig(engine="stream"), "batch": PoolConfig(engine="paged")}
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True):
+    redis_url: str | None = None
+    """Unset: ``slogate up`` starts a private redis-server under ``state_dir``."""
+    host: str = "0.0.0.0"
+    port: int = 8000
+    state_dir: str = ".slogate"
+    model: str | None = None
+    """Local directory or hub id served by the real engines; unset builds the tiny model."""
+    pools: dict[str, PoolConfig] = msgspec.field(default_factory=_default_pools)
+    max_body_bytes: int = 1 << 20
+    default_max_tokens: int = 256
+    """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
+    request_timeout_s: float = 300.0
+    """Deadline of a request that brings none of its own (``x-slogate-timeout`` header)."""
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    claim_idle_s: float = 15.0
+    """A request left pending this long by a dead worker is claimed by another."""
+    max_attempts: int = 3
+    """Deliveries before a request that keeps killing workers is failed instead of retried."""
+    result_ttl_s: float = 60.0
+    """Lifetime of a result stream past its request's deadline, should its gateway vanish."""
+    worker_poll_s: float = 0.5
+    """How often the gateway refreshes its view of worker heartbeats."""
+    log_level: str = "INFO"
+
+
+_COERCE = {int: int, float: float, str: str}
+
+
+def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
+                overrides: dict[str, Any] | None = None) -> Config:
+    """Read the YAML file (or defaults), apply ``SLOGATE_<KEY>`` env vars, then CLI overrides."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    path = path or env.get("SLOGATE_CONFIG")
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        raw.update(loaded)
+    for name, field_type in _scalar_fields().items():
+        value = env.get(f"SLOGATE_{name.upper()}")
+        if value is not None:
+            raw[name] = _parse_env(name, value, field_type)
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        cfg = msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {_name_key(str(exc))}") from exc
+    _check_ranges(cfg)
+    return cfg
+
+
+def _scalar_fields() -> dict[str, type]:
+    fields = {}
+    for f in msgspec.structs.fields(Config):
+        base = f.type
+        if base in (int, float, str) or base == (str | None):
+            fields[f.name] = str if base == (str | None) else base
+    return fields
+
+
+def _parse_env(name: str, value: str, field_type: type) -> Any:
+    try:
+        return _COERCE[field_type](value)
+    except ValueError as exc:
+        raise ConfigError(f"SLOGATE_{name.upper()}={value!r}: expected {field_type.__name__}") from exc
+
+
+def _name_key(msg: str) -> str:
+    """msgspec says ``... - at `$.pools.batch.workers```; lead with the key instead."""
+    if " - at `$." in msg:
+        what, where = msg.rsplit(" - at `$.", 1)
+        return f"{where.rstrip('`')}: {what}"
+    return msg
+
+
+def _check_ranges(cfg: Config) -> None:
+    positive = ["port", "max_body_bytes", "default_max_tokens", "request_timeout_s", "heartbeat_interval_s",
+                "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
+    for key in positive:
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")
+    if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:
+        raise ConfigError("heartbeat_ttl_s: must exceed heartbeat_interval_s, or live workers flicker")
+    for name, pool in cfg.pools.items():
+        if pool.workers < 0:
+            raise ConfigError(f"pools.{name}.workers: must be >= 0")

@@ -1,0 +1,107 @@
+"""``slogate up``: the whole stack on one machine, under one supervisor.
+
+Each part runs as its own process, exactly as it would in a fleet (so what works here works
+with replicas), and the supervisor stops them all on Ctrl-C or SIGTERM. A worker that exits
+on its own is restarted; its requests stay pending in Redis meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slogate.config import Config
+from slogate.local_redis import LocalRedis
+
+log = logging.getLogger("slogate.up")
+REAL_ENGINES = {"stream", "paged"}
+
+
+def _tiny_model(state_dir: Path) -> str:
+    target = state_dir / "models" / "tiny"
+    if not (target / "config.json").exists():
+        from engines.runtime.tiny_model import build_tiny_model
+
+        log.info("building the tiny model under %s (first run only)", target)
+        build_tiny_model(target)
+    return str(target)
+
+
+def _worker_commands(cfg: Config, engine: str | None, options: dict[str, Any]) -> list[list[str]]:
+    cmds = []
+    for pool, pool_cfg in cfg.pools.items():
+        name = engine or pool_cfg.engine
+        cmd = [sys.executable, "-m", "slogate.cli", "worker", "--pool", pool, "--engine", name]
+        if name in REAL_ENGINES and cfg.model:
+            cmd += ["--model", cfg.model]
+        for key, value in options.items():
+            cmd += ["-o", f"{key}={json.dumps(value)}"]
+        cmds += [cmd] * pool_cfg.workers
+    return cmds
+
+
+def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | None = None) -> int:
+    state_dir = Path(cfg.state_dir).resolve()
+    redis = None
+    if not cfg.redis_url:
+        redis = LocalRedis(state_dir / "redis", persist=True).start()
+        cfg.redis_url = redis.url
+        log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
+    if engine is None and not cfg.model and any(p.engine in REAL_ENGINES for p in cfg.pools.values()):
+        cfg.model = _tiny_model(state_dir)
+    env = {**os.environ, "SLOGATE_REDIS_URL": cfg.redis_url}
+    if cfg.model:
+        env["SLOGATE_MODEL"] = cfg.model
+    config_args = ["--config", os.environ["SLOGATE_CONFIG"]] if os.environ.get("SLOGATE_CONFIG") else []
+    gateway_cmd = [sys.executable, "-m", "slogate.cli", *config_args, "gateway", "--port", str(cfg.port),
+                   "--host", cfg.host]
+    worker_cmds = [[*c[:3], *config_args, *c[3:]] for c in _worker_commands(cfg, engine, options or {})]
+
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    procs: dict[int, tuple[list[str], subprocess.Popen[bytes]]] = {}
+    start = lambda cmd: subprocess.Popen(cmd, env=env, start_new_session=True)  # noqa: E731
+    for i, cmd in enumerate([gateway_cmd, *worker_cmds]):
+        procs[i] = (cmd, start(cmd))
+    log.info("slogate is up: http://127.0.0.1:%d/v1 (%d worker(s)); Ctrl-C stops it",
+             cfg.port, len(worker_cmds))
+    code = 0
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            for i, (cmd, proc) in list(procs.items()):
+                if proc.poll() is None:
+                    continue
+                if i == 0:
+                    log.error("the gateway exited with code %s; stopping", proc.returncode)
+                    stopping, code = True, 1
+                    break
+                log.warning("worker exited with code %s; restarting it", proc.returncode)
+                time.sleep(1.0)
+                procs[i] = (cmd, start(cmd))
+    finally:
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 35
+        for _, proc in procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if redis is not None:
+            redis.stop()
+    return code

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engines.runtime.loader import load_model
+from engines.runtime.tiny_model import build_tiny_model
+
+
+def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path):
+    again = build_tiny_model(tmp_path / "again")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+
+
+def test_loads_with_facts_engines_need(tiny_model_dir: Path):
+    loaded = load_model(str(tiny_model_dir))
+    assert loaded.model_id == "tiny-llama"
+    assert loaded.device == torch.device("cpu")
+    assert loaded.dtype == torch.float32
+    assert loaded.max_context >= 2048
+    tok = loaded.tokenizer
+    assert {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} == loaded.eos_token_ids
+    assert sum(p.numel() for p in loaded.model.parameters()) < 5_000_000
+
+
+def test_encode_prompt_and_chat(tiny_model_dir: Path):
+    loaded = load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+    tok = loaded.tokenizer
+    prompt_ids = loaded.encode("hello 世界", None)
+    assert prompt_ids[0] == tok.bos_token_id
+    assert tok.decode(prompt_ids, skip_special_tokens=True) == "hello 世界"
+    chat = loaded.encode(None, [{"role": "user", "content": "score this 🚀"}])
+    text = tok.decode(chat)
+    assert text.startswith("<|bos|><|im_start|>user\nscore this 🚀<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_random_weights_greedy_output_is_not_degenerate(tiny_model_dir: Path):
+    loaded = load_model(str(tiny_model_dir))
+    ids = torch.tensor([loaded.encode("The gateway accepts", None)])
+    out = loaded.model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    new = out[0, ids.shape[1] :].tolist()
+    assert len(set(new)) > 8

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import torch
+
+from engines.runtime.sampling import make_generator, sample
+from slogate.protocol import SamplingParams
+
+V = 50
+
+
+def logits(batch: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(batch, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_greedy_rows_take_the_argmax():
+    x = logits(4)
+    tokens = sample(x, [SamplingParams(temperature=0)] * 4, [None] * 4, [[]] * 4)
+    assert tokens == x.argmax(dim=-1).tolist()
+
+
+def test_same_seed_same_tokens_whatever_shares_the_batch():
+    params = SamplingParams(temperature=1.0, seed=1234)
+
+    def draw(batch_logits: torch.Tensor, row: int, others: list[SamplingParams]) -> list[int]:
+        generator = make_generator(params, "cpu")
+        plist = list(others)
+        plist.insert(row, params)
+        gens = [make_generator(p, "cpu") for p in plist]
+        gens[row] = generator
+        out = []
+        for _ in range(20):
+            out.append(sample(batch_logits, plist, gens, [[]] * len(plist))[row])
+        return out
+
+    x = logits(1, scale=1.0)
+    alone = draw(x, 0, [])
+    crowded_logits = torch.cat([logits(1, seed=5), x, logits(1, seed=6)])
+    crowded = draw(crowded_logits, 1, [SamplingParams(temperature=0.7), SamplingParams(temperature=0)])
+    assert alone == crowded
+    assert len(set(alone)) > 1, "sampling at temperature 1 must vary"
+    other_seed = make_generator(SamplingParams(seed=99), "cpu")
+    different = [sample(x, [SamplingParams(seed=99)], [other_seed], [[]])[0] for _ in range(20)]
+    assert different != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    x = logits(3)
+    greedy = x.argmax(dim=-1).tolist()
+    for params in (SamplingParams(top_k=1, seed=1), SamplingParams(top_p=1e-6, seed=1)):
+        gens = [make_generator(params, "cpu") for _ in range(3)]
+        for _ in range(10):
+            assert sample(x, [params] * 3, gens, [[]] * 3) == greedy
+
+
+def test_top_k_draws_only_from_the_k_best():
+    x = logits(1)
+    allowed = set(x[0].topk(3).indices.tolist())
+    params = SamplingParams(temperature=5.0, top_k=3, seed=7)
+    gen = make_generator(params, "cpu")
+    drawn = {sample(x, [params], [gen], [[]])[0] for _ in range(200)}
+    assert drawn <= allowed
+    assert len(drawn) > 1
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = SamplingParams(temperature=1.0, top_p=0.7, seed=3)
+    gen = make_generator(params, "cpu")
+    drawn = {sample(x, [params], [gen], [[]])[0] for _ in range(300)}
+    assert drawn == {0, 1}
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    x = torch.zeros(1, V)
+    x[0, 1] = 10.0
+    x[0, 2] = 9.0
+    x[0, 3] = 8.0
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2])
+    assert sample(x, [params], [None], [[5]], eos_token_ids={1}) == [3]
+    assert sample(x, [params], [None], [[5, 5]], eos_token_ids={1}) == [1]
+    assert x[0, 1] == 10.0, "the caller's logits are left alone"
+    no_eos = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(x, [no_eos], [None], [[]], eos_token_ids={1}) == [1]
+
+
+def test_penalties_push_away_from_repeated_tokens():
+    x = torch.zeros(1, V)
+    x[0, 4] = 1.0
+    x[0, 9] = 0.5
+    history = [4, 4, 4]
+    assert sample(x, [SamplingParams(temperature=0)], [None], [history]) == [4]
+    freq = SamplingParams(temperature=0, frequency_penalty=0.2)
+    assert sample(x, [freq], [None], [history]) == [9]
+    presence = SamplingParams(temperature=0, presence_penalty=0.4)
+    assert sample(x, [presence], [None], [history]) == [4]
+    presence = SamplingParams(temperature=0, presence_penalty=0.6)
+    assert sample(x, [presence], [None], [history]) == [9]
