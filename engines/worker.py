@@ -177,7 +177,9 @@ class Worker:
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            self._apply_pending()
+            aborted = self._apply_pending()
+            if aborted:
+                await self._drop(aborted)
             if not self.engine.has_unfinished():
                 if self._stopping.is_set():
                     return
@@ -188,10 +190,13 @@ class Worker:
             if outputs:
                 await self._publish(outputs)
 
-    def _apply_pending(self) -> None:
+    def _apply_pending(self) -> list[_InFlight]:
+        aborted = []
         for request_id in self._aborts:
-            if self.inflight.pop(request_id, None) is not None:
+            job = self.inflight.pop(request_id, None)
+            if job is not None:
                 self.engine.abort_request(request_id)
+                aborted.append(job)
         self._aborts.clear()
         adds, self._adds = self._adds, []
         for req, _, _ in adds:
@@ -199,6 +204,19 @@ class Worker:
                 self.engine.add_request(EngineRequest(
                     id=req.id, sampling=req.sampling, deadline=req.deadline,
                     prompt=req.prompt, messages=req.messages))
+        return aborted
+
+    async def _drop(self, jobs: list[_InFlight]) -> None:
+        """Settle cancelled requests: acknowledged, and their result streams gone, since the
+        gateway stopped reading them and a late write would otherwise linger until its TTL."""
+        try:
+            async with self.redis.pipeline(transaction=False) as p:
+                p.xack(self.queue, keys.GROUP, *(j.entry_id for j in jobs))
+                p.xdel(self.queue, *(j.entry_id for j in jobs))
+                p.delete(*(keys.result(j.req.id) for j in jobs))
+                await p.execute()
+        except (RedisError, OSError) as exc:
+            log.warning("settling %d cancelled request(s) failed: %s", len(jobs), exc)
 
     async def _publish(self, outputs: list[StepOutput]) -> None:
         now = time.time()

@@ -121,21 +121,24 @@ class Admission(_Section):
             raise ValueError("min_retry_after_s must not exceed max_retry_after_s")
 
 
-def _default_pools() -> dict[Class, list[str]]:
-    return {"interactive": ["interactive"], "batch": ["batch"]}
+PoolList = Annotated[list[str], msgspec.Meta(min_length=1)]
+
+
+class Pools(_Section):
+    """Class -> the pools that serve it first (the fastest predicted one wins)."""
+
+    interactive: PoolList = msgspec.field(default_factory=lambda: ["interactive"])
+    batch: PoolList = msgspec.field(default_factory=lambda: ["batch"])
+
+    def __getitem__(self, cls: Class) -> list[str]:
+        return self.interactive if cls == "interactive" else self.batch
 
 
 class Routing(_Section):
-    pools: dict[Class, list[str]] = msgspec.field(default_factory=_default_pools)
-    """Class -> the pools that serve it first."""
+    pools: Pools = msgspec.field(default_factory=Pools)
     interactive_spill: list[str] = msgspec.field(default_factory=lambda: ["batch"])
     """Pools interactive work may spill to when its own cannot meet the objective. Batch never
     spills into interactive pools: that capacity is what the objective protects."""
-
-    def __post_init__(self) -> None:
-        for cls in CLASSES:
-            if not self.pools.get(cls):
-                raise ValueError(f"pools.{cls} needs at least one pool")
 
 
 class Circuit(_Section):

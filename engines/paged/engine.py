@@ -66,6 +66,8 @@ class PagedEngine:
         self._pending: list[StepOutput] = []
         self._decode_step_s = 0.0
         self._prefill_s_per_token = 0.0
+        self.clock = time.time
+        """Wall clock that deadlines are compared against (replaceable in tests)."""
 
     def add_request(self, request: EngineRequest) -> None:
         try:
@@ -92,7 +94,7 @@ class PagedEngine:
 
     def step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
-        outputs.extend(self._expire(time.time()))
+        outputs.extend(self._expire(self.clock()))
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return outputs

@@ -100,8 +100,8 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed_tokens, budget)
             sched.add(seq, n)
             budget -= n
-        if not sched.preempted:
-            budget = self._admit(sched, budget)
+        if not sched.preempted or not sched.seqs:
+            self._admit(sched, budget)
         return sched
 
     def postprocess(self, sched: Schedule, sampled: dict[int, int]) -> None:
@@ -142,7 +142,7 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, sched: Schedule, budget: int) -> int:
+    def _admit(self, sched: Schedule, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = len(self.running) + 1 if self.running else 0
@@ -155,4 +155,3 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed_tokens, budget)
             sched.add(seq, n)
             budget -= n
-        return budget

@@ -22,6 +22,7 @@ def _fake_token(seq: Sequence) -> int:
 
 def _run(sch: Scheduler, seqs: list[Sequence], max_steps: int = 5000) -> dict[str, list[int]]:
     for seq in seqs:
+        assert sch.rejection(seq) is None
         sch.add(seq)
     bs = sch.block_manager.block_size
     steps = 0
@@ -64,7 +65,7 @@ def test_every_request_completes_and_frees_its_blocks() -> None:
 
 def test_preemption_by_recompute_loses_and_corrupts_nothing() -> None:
     expected = _run(_scheduler(), _workload())
-    tight = _scheduler(num_blocks=14)
+    tight = _scheduler(num_blocks=17)
     assert _run(tight, _workload()) == expected
     assert tight.num_preemptions > 0
     assert tight.num_preemptions <= 3 * len(expected), "preemption thrashes"
@@ -73,7 +74,7 @@ def test_preemption_by_recompute_loses_and_corrupts_nothing() -> None:
 
 def test_preemption_without_prefix_cache_also_recovers() -> None:
     expected = _run(_scheduler(), _workload())
-    sch = Scheduler(BlockManager(14, 4, enable_prefix_caching=False), 8, 64, 256)
+    sch = Scheduler(BlockManager(17, 4, enable_prefix_caching=False), 8, 64, 256)
     assert _run(sch, _workload()) == expected
     assert sch.num_preemptions > 0
     _assert_pool_clean(sch)
@@ -85,10 +86,10 @@ def test_long_prompt_is_chunked_while_decodes_keep_running() -> None:
     sch.add(short)
     first = sch.schedule()
     sch.postprocess(first, {0: 1})
-    long = _seq("long", 40, 2)
+    long = _seq("long", 40, 2, base=1)
     sch.add(long)
     chunks = []
-    while long.is_prefilling or long.num_computed_tokens < len(long) - 1 or len(long) == long.num_prompt_tokens:
+    while long.num_completion_tokens == 0:
         batch = sch.schedule()
         assert batch.num_tokens <= 8
         assert short in batch.seqs, "a running decode was stalled by a prefill"

@@ -1,0 +1,120 @@
+"""The stream engine's KV memory: one cache per prefilling request, and one left-padded cache
+for all decoding requests, so a decode step is a single forward pass.
+
+Rows join the decode cache when their prefill ends and leave it when they finish or are
+aborted. A row's tensors are copied out of the shared ones on every change, so a request that
+leaves frees its memory at once instead of lingering in a view.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+
+def new_cache() -> DynamicCache:
+    return DynamicCache()
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def cache_bytes(cache: DynamicCache) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        if layer.is_initialized
+        for t in (layer.keys, layer.values)
+    )
+
+
+def _map(cache: DynamicCache, fn) -> None:
+    for layer in cache.layers:
+        layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+
+
+class DecodeBatch:
+    """Decoding requests as rows of one cache, left-padded to a common length.
+
+    ``mask`` marks real (1) and padding (0) positions; ``positions`` is each row's next
+    position id. Padding never outgrows what the rows need: when the longest row leaves, the
+    columns that only padded it are cut.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ids: list[str] = []
+        self.last_tokens: list[int] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.positions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.ids
+
+    def tokens_of(self, request_id: str) -> int:
+        """How many KV positions the request holds (0 when it holds none)."""
+        return self.positions[self.ids.index(request_id)] if request_id in self.ids else 0
+
+    def nbytes(self) -> int:
+        return cache_bytes(self.cache) if self.cache is not None else 0
+
+    def join(self, request_id: str, cache: DynamicCache, last_token: int) -> None:
+        """Add a request whose prefill just ended; ``cache`` holds its whole prompt."""
+        length = cache_length(cache)
+        row_mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+        if self.cache is None:
+            self.cache, self.mask = cache, row_mask
+        else:
+            width = self.mask.shape[1]
+            if length < width:
+                _map(cache, lambda t: F.pad(t, (0, 0, width - length, 0)))
+                row_mask = F.pad(row_mask, (width - length, 0))
+            elif length > width:
+                _map(self.cache, lambda t: F.pad(t, (0, 0, length - width, 0)))
+                self.mask = F.pad(self.mask, (length - width, 0))
+            for mine, theirs in zip(self.cache.layers, cache.layers):
+                mine.keys = torch.cat([mine.keys, theirs.keys])
+                mine.values = torch.cat([mine.values, theirs.values])
+            self.mask = torch.cat([self.mask, row_mask])
+        self.ids.append(request_id)
+        self.last_tokens.append(last_token)
+        self.positions.append(length)
+
+    def leave(self, request_ids: set[str]) -> None:
+        """Drop rows and give their memory back."""
+        keep = [i for i, rid in enumerate(self.ids) if rid not in request_ids]
+        if len(keep) == len(self.ids):
+            return
+        self.ids = [self.ids[i] for i in keep]
+        self.last_tokens = [self.last_tokens[i] for i in keep]
+        self.positions = [self.positions[i] for i in keep]
+        if not keep:
+            self.cache = None
+            self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+            return
+        index = torch.tensor(keep, device=self.device)
+        cut = self.mask.shape[1] - max(self.positions)
+        _map(self.cache, lambda t: t.index_select(0, index)[:, :, cut:].clone())
+        self.mask = self.mask.index_select(0, index)[:, cut:].clone()
+
+    def forward_inputs(self) -> dict[str, torch.Tensor | DynamicCache | None]:
+        """Inputs for one decode step over every row."""
+        mask = torch.cat([self.mask, self.mask.new_ones(len(self.ids), 1)], dim=1)
+        return {
+            "input_ids": torch.tensor(self.last_tokens, device=self.device).unsqueeze(1),
+            "position_ids": torch.tensor(self.positions, device=self.device).unsqueeze(1),
+            "attention_mask": None if bool(mask.all()) else mask,
+            "past_key_values": self.cache,
+        }
+
+    def advance(self, tokens: list[int]) -> None:
+        """Record the step's sampled tokens; the forward pass already grew the cache."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.ids), 1)], dim=1)
+        self.last_tokens = tokens
+        self.positions = [p + 1 for p in self.positions]

@@ -1,0 +1,183 @@
+"""The OpenAI surface, through a raw aiohttp client and through the official SDK."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import openai
+import pytest
+import redis
+
+from tests.e2e.conftest import MODEL
+from tests.stack import Stack
+
+CHAT = {"model": MODEL, "messages": [{"role": "system", "content": "score it"},
+                                     {"role": "user", "content": "txn 1: 10 EUR"}], "max_tokens": 6}
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
+    events: list[dict | str] = []
+    async for line in resp.content:
+        line = line.strip()
+        if not line:
+            continue
+        assert line.startswith(b"data: "), line
+        data = line[len(b"data: "):]
+        events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+async def test_chat_non_streamed(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+        body = await r.json()
+        assert r.headers["x-request-id"]
+        assert r.headers["x-slogate-class"] == "interactive"
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["message"]["content"].split()) == 6
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 6
+
+
+async def test_chat_streamed_matches_non_streamed(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            full = (await r.json())["choices"][0]["message"]["content"]
+        body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if isinstance(e, dict)]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full
+    content_chunks = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert len(content_chunks) == 6
+
+
+async def test_completions_streamed_and_not(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": "the risk of", "max_tokens": 4}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            full = await r.json()
+        async with s.post(stack.url + "/v1/completions", json={**body, "stream": True}) as r:
+            events = await sse_events(r)
+    assert full["object"] == "text_completion"
+    text = full["choices"][0]["text"]
+    assert full["usage"]["completion_tokens"] == 4
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_stop_string_is_honoured(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/completions",
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 12}) as r:
+            words = (await r.json())["choices"][0]["text"].split()
+        stop = f" {words[3]}"
+        async with s.post(stack.url + "/v1/completions",
+                          json={"model": MODEL, "prompt": "p", "max_tokens": 12, "stop": stop}) as r:
+            body = await r.json()
+    cut = " " + " ".join(words)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["text"] == cut[:cut.index(stop)]
+
+
+def test_openai_sdk_chat_and_completions(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
+    models = [m.id for m in client.models.list()]
+    assert MODEL in models
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=5)
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None and chat.usage.completion_tokens == 5
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=5,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+    assert "".join(parts) == chat.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == 5
+    comp = client.completions.create(model=MODEL, prompt="hello", max_tokens=3)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="hello", max_tokens=3, stream=True) if c.choices)
+    assert streamed == comp.choices[0].text and len(streamed.split()) == 3
+
+
+def test_openai_sdk_surfaces_errors(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="no-such-model", messages=CHAT["messages"])
+    assert "no-such-model" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], temperature=5)
+    assert "temperature" in str(info.value)
+
+
+async def test_request_id_is_echoed(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions", json=CHAT,
+                          headers={"x-request-id": "client-abc-1"}) as r:
+            assert r.headers["x-request-id"] == "client-abc-1"
+        async with s.get(stack.url + "/v1/nothing-here", headers={"x-request-id": "client-abc-2"}) as r:
+            assert r.status == 404 and r.headers["x-request-id"] == "client-abc-2"
+
+
+async def test_health_ready_models_metrics(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/healthz") as r:
+            assert r.status == 200
+        async with s.get(stack.url + "/readyz") as r:
+            assert r.status == 200
+        async with s.get(stack.url + "/v1/models") as r:
+            data = (await r.json())["data"]
+        assert data[0]["id"] == MODEL and sorted(data[0]["pools"]) == ["batch", "interactive"]
+        async with s.post(stack.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+        async with s.get(stack.url + "/metrics") as r:
+            text = await r.text()
+    assert 'slogate_requests_total{class="interactive",model="slogate-sim",outcome="length",pool="interactive"}' in text
+    assert "slogate_e2e_request_latency_seconds_bucket" in text
+    assert 'le="0.15"' in text
+    assert 'slogate_live_workers{pool="batch"} 1.0' in text
+
+
+async def test_class_header_routes_to_batch_pool(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions", json=CHAT,
+                          headers={"x-slogate-class": "batch"}) as r:
+            assert r.status == 200
+            assert r.headers["x-slogate-class"] == "batch"
+            assert r.headers["x-slogate-pool"] == "batch"
+
+
+async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        for stream in (False, True):
+            for _ in range(5):
+                async with s.post(stack.url + "/v1/chat/completions", json={**CHAT, "stream": stream}) as r:
+                    await r.read()
+    client = redis.Redis.from_url(stack.redis_url)
+    leftovers = [k for k in client.scan_iter("slogate:*")
+                 if k.startswith((b"slogate:r:", b"slogate:cancel:"))]
+    queues = {p: client.xlen(f"slogate:q:{p}") for p in ("interactive", "batch")}
+    pending = {p: client.xpending(f"slogate:q:{p}", "workers")["pending"] for p in queues}
+    client.close()
+    assert leftovers == []
+    assert queues == {"interactive": 0, "batch": 0}
+    assert pending == {"interactive": 0, "batch": 0}

@@ -1,0 +1,115 @@
+"""Every way a client can get a request wrong answers 4xx in OpenAI's shape, naming the problem."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from tests.e2e.conftest import MODEL
+from tests.stack import Stack
+
+MSGS = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+
+
+async def call(stack: Stack, path: str, data: bytes | None = None, json_body: dict | None = None,
+               method: str = "POST", headers: dict | None = None) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.request(method, stack.url + path, data=data, json=json_body, headers=headers) as r:
+            return r.status, await r.json(), dict(r.headers)
+
+
+def assert_error(body: dict, param: str | None, *words: str) -> None:
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    for w in words:
+        assert w in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"messages": MSGS}, "model", ["model"]),
+    ({"model": MODEL}, "messages", ["messages"]),
+    ({"model": MODEL, "messages": []}, "messages", ["at least one"]),
+    ({"model": MODEL, "messages": "hi"}, "messages", ["messages"]),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content", ["content"]),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", ["role"]),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": "ten"}, "max_tokens", ["int"]),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": True}, "max_tokens", ["bool"]),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": 0}, "max_tokens", ["at least 1"]),
+    ({"model": MODEL, "messages": MSGS, "max_tokens": 10**6}, "max_tokens", ["context length"]),
+    ({"model": MODEL, "messages": MSGS, "n": 2}, "n", ["n=1"]),
+    ({"model": MODEL, "messages": MSGS, "temperature": 2.5}, "temperature", ["between 0 and 2"]),
+    ({"model": MODEL, "messages": MSGS, "temperature": -1}, "temperature", ["temperature"]),
+    ({"model": MODEL, "messages": MSGS, "top_p": 1.5}, "top_p", ["between 0 and 1"]),
+    ({"model": MODEL, "messages": MSGS, "top_p": 0}, "top_p", ["greater than 0"]),
+    ({"model": MODEL, "messages": MSGS, "stream": "yes"}, "stream", ["bool"]),
+    ({"model": MODEL, "messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, "stop", ["at most 4"]),
+    ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function"}]}, "tools", ["not supported"]),
+])
+async def test_invalid_chat_bodies(stack: Stack, body: dict, param: str, words: list[str]) -> None:
+    status, resp, _ = await call(stack, CHAT, json_body=body)
+    assert status == 400
+    assert resp["error"]["type"] == "invalid_request_error"
+    assert_error(resp, param, *words)
+
+
+async def test_completions_missing_prompt(stack: Stack) -> None:
+    status, resp, _ = await call(stack, "/v1/completions", json_body={"model": MODEL})
+    assert status == 400
+    assert_error(resp, "prompt", "prompt")
+
+
+async def test_malformed_json(stack: Stack) -> None:
+    status, resp, _ = await call(stack, CHAT, data=b'{"model": "x", "messages": [')
+    assert status == 400
+    assert_error(resp, None, "not valid JSON")
+    status, resp, _ = await call(stack, CHAT, data=b"")
+    assert status == 400 and "empty" in resp["error"]["message"]
+    status, resp, _ = await call(stack, CHAT, data=b"[1, 2]")
+    assert status == 400 and "object" in resp["error"]["message"]
+
+
+async def test_broken_utf8(stack: Stack) -> None:
+    status, resp, _ = await call(stack, CHAT, data=b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}')
+    assert status == 400
+    assert_error(resp, None, "UTF-8")
+
+
+async def test_unknown_model(stack: Stack) -> None:
+    status, resp, _ = await call(stack, CHAT, json_body={"model": "gpt-9", "messages": MSGS})
+    assert status == 404
+    assert resp["error"]["code"] == "model_not_found"
+    assert_error(resp, "model", "gpt-9", MODEL)
+
+
+async def test_body_over_limit(stack: Stack) -> None:
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (1 << 20)}]}
+    status, resp, _ = await call(stack, CHAT, json_body=big)
+    assert status == 413
+    assert_error(resp, None, "exceeds the limit")
+
+
+async def test_wrong_method_and_unknown_path(stack: Stack) -> None:
+    status, resp, headers = await call(stack, CHAT, method="GET")
+    assert status == 405
+    assert "GET" in resp["error"]["message"] and headers["Allow"] == "POST"
+    status, resp, _ = await call(stack, "/v1/nope", json_body={})
+    assert status == 404
+    assert_error(resp, None, "/v1/nope")
+
+
+async def test_bad_headers(stack: Stack) -> None:
+    ok = {"model": MODEL, "messages": MSGS}
+    status, resp, _ = await call(stack, CHAT, json_body=ok, headers={"x-slogate-class": "vip"})
+    assert status == 400 and resp["error"]["param"] == "x-slogate-class"
+    status, resp, _ = await call(stack, CHAT, json_body=ok, headers={"x-slogate-timeout": "soon"})
+    assert status == 400 and resp["error"]["param"] == "x-slogate-timeout"
+
+
+async def test_prompt_beyond_context_is_rejected_by_the_worker(stack: Stack) -> None:
+    long_prompt = "word " * 8000
+    status, resp, _ = await call(stack, "/v1/completions",
+                                 json_body={"model": MODEL, "prompt": long_prompt, "max_tokens": 500})
+    assert status == 400
+    assert "beyond the model's context" in resp["error"]["message"]

@@ -1,0 +1,145 @@
+"""Cancels, deadlines and dead workers, against real processes and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+import redis
+
+from slogate import protocol
+from slogate.local_redis import LocalRedis
+from tests.e2e.conftest import MODEL, start_stack
+from tests.e2e.test_api import sse_events
+from tests.stack import Stack
+
+STEP_S = 0.02
+
+
+@pytest.fixture(scope="module")
+def slow_stack(redis_server: LocalRedis) -> Iterator[Stack]:
+    """Two sim workers per pool at 50 tokens/s each, so requests last long enough to hurt."""
+    s = start_stack(redis_server, decode_base_s=STEP_S, workers_per_pool=2)
+    yield s
+    s.stop()
+
+
+def body(max_tokens: int, stream: bool = False, prompt: str = "report on counterparty 7") -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+def running(client: redis.Redis) -> int:
+    total = 0
+    for key in client.scan_iter("slogate:hb:*"):
+        data = client.get(key)
+        if data:
+            total += protocol.decode_heartbeat(data).running
+    return total
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def per_request_keys(client: redis.Redis) -> list[bytes]:
+    return [k for k in client.scan_iter("slogate:r:*")]
+
+
+async def test_client_disconnect_cancels_generation(slow_stack: Stack) -> None:
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(slow_stack.url + "/v1/chat/completions", json=body(400, stream=True))
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to run")
+        resp.close()
+    started = time.monotonic()
+    # 400 tokens take 8 s; a cancel honoured within a step frees the worker far sooner.
+    await asyncio.to_thread(wait_for, lambda: running(client) == 0 and not any(
+        client.xpending(f"slogate:q:{p}", "workers")["pending"] for p in ("interactive", "batch")),
+        4, "the worker to drop the cancelled request")
+    assert time.monotonic() - started < 4
+    await asyncio.sleep(0.3)
+    assert per_request_keys(client) == []
+    client.close()
+
+
+async def test_non_streamed_disconnect_cancels_too(slow_stack: Stack) -> None:
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+        with pytest.raises(asyncio.TimeoutError):
+            await s.post(slow_stack.url + "/v1/chat/completions", json=body(400))
+    await asyncio.to_thread(wait_for, lambda: running(client) == 0, 4, "the cancel to land")
+    client.close()
+
+
+async def test_deadline_expiry_non_streamed_is_504(slow_stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_stack.url + "/v1/chat/completions", json=body(200),
+                          headers={"x-slogate-timeout": "0.4"}) as r:
+            assert r.status == 504
+            err = (await r.json())["error"]
+    assert err["code"] == "deadline_exceeded" and "deadline" in err["message"]
+
+
+async def test_deadline_expiry_streamed_is_an_sse_error(slow_stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_stack.url + "/v1/chat/completions", json=body(200, stream=True),
+                          headers={"x-slogate-timeout": "0.4"}) as r:
+            assert r.status == 200
+            events = await sse_events(r)
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "deadline_exceeded"
+    assert events[-1] == "[DONE]"
+    assert any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["delta"].get("content")
+               for e in events), "tokens before the deadline should have streamed"
+
+
+def _holder_pid(client: redis.Redis, pool: str) -> int:
+    pending = client.xpending_range(f"slogate:q:{pool}", "workers", "-", "+", 10)
+    assert len(pending) == 1
+    return int(pending[0]["consumer"].decode().split("-")[-2])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_worker_killed_mid_request_is_finished_by_another(slow_stack: Stack, stream: bool) -> None:
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    prompt = f"kill test {stream}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_stack.url + "/v1/chat/completions", json=body(60, prompt=prompt)) as r:
+            expected = (await r.json())["choices"][0]["message"]["content"]
+        task = asyncio.create_task(s.post(slow_stack.url + "/v1/chat/completions",
+                                          json=body(60, stream=stream, prompt=prompt)))
+        await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to start")
+        await asyncio.sleep(0.3)
+        pid = _holder_pid(client, "interactive")
+        victim = next(p for p in slow_stack.procs if p.pid == pid)
+        os.kill(pid, signal.SIGKILL)
+        victim.wait()
+        resp = await task
+        assert resp.status == 200
+        if stream:
+            events = await sse_events(resp)
+            chunks = [e for e in events if isinstance(e, dict)]
+            assert not any("error" in c for c in chunks)
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            text = (await resp.json())["choices"][0]["message"]["content"]
+        resp.release()
+    assert text == expected, "the retry must neither lose nor repeat tokens"
+    wait_for(lambda: client.xpending("slogate:q:interactive", "workers")["pending"] == 0, 3, "ack")
+    slow_stack.procs.remove(victim)
+    slow_stack.worker("interactive", "sim", f"decode_base_s={STEP_S}", "decode_s_per_seq=0")
+    client.close()

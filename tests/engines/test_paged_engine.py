@@ -1,0 +1,207 @@
+"""The paged engine against transformers' own ``generate`` (fp32, greedy, one request at a
+time): batching, chunked prefill, preemption and prefix caching must not change a token."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engines.base import EngineRequest, StepOutput
+from engines.paged import PagedEngine, create
+from slogate.protocol import SamplingParams
+
+MAX_TOKENS = 24
+_WORDS = "the risk score of each card payment must arrive fast while long reports wait".split()
+
+
+def _text(n_words: int, offset: int = 0) -> str:
+    return " ".join(_WORDS[(offset + i * 5) % len(_WORDS)] for i in range(n_words))
+
+
+PROMPTS = [_text(n, i) for i, n in enumerate([1, 4, 9, 17, 30, 52, 90, 150])]
+SHARED_PREFIX = "You are a careful risk analyst. " + _text(120, 3)
+PREFIX_PROMPTS = [SHARED_PREFIX + " " + _text(2 + 3 * i, i) for i in range(6)]
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> dict[str, list[int]]:
+    """transformers ``generate``, one prompt at a time, never stopping at eos (ignore_eos)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = {}
+    for prompt in PROMPTS + PREFIX_PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        gen = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS, attention_mask=torch.ones_like(ids))
+        out[prompt] = gen[0, ids.shape[1] :].tolist()
+    return out
+
+
+def _engine(model_dir: Path, **options: Any) -> PagedEngine:
+    return create(str(model_dir), dtype="fp32", device="cpu", **options)
+
+
+def _request(rid: str, prompt: str, sampling: SamplingParams = GREEDY, deadline: float | None = None) -> EngineRequest:
+    return EngineRequest(rid, sampling, deadline if deadline is not None else time.time() + 3600, prompt=prompt)
+
+
+def _drain(engine: PagedEngine, max_steps: int = 5000) -> list[StepOutput]:
+    outputs: list[StepOutput] = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outputs
+        outputs.extend(engine.step())
+    raise AssertionError("engine did not finish")
+
+
+def _tokens(outputs: list[StepOutput]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for out in outputs:
+        assert out.error is None, out.error
+        tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return tokens
+
+
+def _assert_pool_clean(engine: PagedEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert engine.load().kv_usage == 0.0
+
+
+CONFIGS = {
+    "batched": {},
+    "chunked_prefill": {"max_batched_tokens": 32, "max_num_seqs": 8},
+    "preempted": {"block_size": 8, "num_blocks": 40},
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_batch_matches_generate_token_for_token(tiny_model_dir: Path, reference: dict, config: str) -> None:
+    engine = _engine(tiny_model_dir, **CONFIGS[config])
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(_request(str(i), prompt))
+    outputs = _drain(engine)
+    got = _tokens(outputs)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[str(i)] == reference[prompt], f"prompt {i} diverged"
+    finals = [o for o in outputs if o.finish_reason]
+    assert sorted(o.request_id for o in finals) == sorted(map(str, range(len(PROMPTS))))
+    assert all(o.finish_reason == "length" and o.completion_tokens == MAX_TOKENS for o in finals)
+    if config == "preempted":
+        assert engine.scheduler.num_preemptions > 0
+    _assert_pool_clean(engine)
+
+
+def test_streamed_text_is_the_decoded_output(tiny_model_dir: Path, reference: dict) -> None:
+    engine = _engine(tiny_model_dir)
+    engine.add_request(_request("a", PROMPTS[3]))
+    outputs = _drain(engine)
+    text = "".join(o.text for o in outputs)
+    assert text == engine.loaded.tokenizer.decode(reference[PROMPTS[3]], skip_special_tokens=True)
+
+
+def test_prefix_cache_hits_do_not_change_outputs(tiny_model_dir: Path, reference: dict) -> None:
+    engine = _engine(tiny_model_dir)
+    engine.add_request(_request("p0", PREFIX_PROMPTS[0]))
+    outputs = engine.step()
+    for i, prompt in enumerate(PREFIX_PROMPTS[1:], start=1):
+        engine.add_request(_request(f"p{i}", prompt))
+    outputs += _drain(engine)
+    got = _tokens(outputs)
+    for i, prompt in enumerate(PREFIX_PROMPTS):
+        assert got[f"p{i}"] == reference[prompt], f"prompt {i} diverged"
+    assert engine.load().extra["prefix_cache_hit_rate"] > 0.5
+    _assert_pool_clean(engine)
+
+
+def test_prefix_cache_with_preemption_and_chunking(tiny_model_dir: Path, reference: dict) -> None:
+    engine = _engine(tiny_model_dir, block_size=8, num_blocks=48, max_batched_tokens=48, max_num_seqs=6)
+    for i, prompt in enumerate(PREFIX_PROMPTS):
+        engine.add_request(_request(f"p{i}", prompt))
+    got = _tokens(_drain(engine))
+    for i, prompt in enumerate(PREFIX_PROMPTS):
+        assert got[f"p{i}"] == reference[prompt], f"prompt {i} diverged"
+    assert engine.block_manager.hit_tokens > 0
+    _assert_pool_clean(engine)
+
+
+def test_blocks_all_return_after_finish_abort_and_preemption(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, block_size=8, num_blocks=40)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(_request(str(i), prompt))
+    outputs: list[StepOutput] = []
+    for _ in range(6):
+        outputs += engine.step()
+    running = engine.scheduler.running[0].request_id
+    waiting = engine.scheduler.waiting[0].request_id if engine.scheduler.waiting else "7"
+    engine.abort_request(running)
+    engine.abort_request(waiting)
+    engine.abort_request("no-such-request")
+    after = _drain(engine)
+    assert not {running, waiting} & {o.request_id for o in after}
+    finished = {o.request_id for o in outputs + after if o.finish_reason}
+    assert finished == set(map(str, range(len(PROMPTS)))) - {running, waiting}
+    assert engine.scheduler.num_preemptions > 0
+    _assert_pool_clean(engine)
+
+
+def test_expired_deadline_finishes_and_frees_blocks(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir)
+    now = time.time()
+    engine.clock = lambda: now
+    engine.add_request(_request("late", PROMPTS[5], deadline=now + 10))
+    engine.add_request(_request("past", PROMPTS[2], deadline=now - 1))
+    first = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in first if o.finish_reason] == [("past", "deadline")]
+    engine.step()
+    assert engine.load().kv_usage > 0
+    engine.clock = lambda: now + 11
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason, o.completion_tokens) for o in outputs] == [("late", "deadline", 2)]
+    assert not engine.has_unfinished()
+    _assert_pool_clean(engine)
+
+
+def test_requests_that_can_never_fit_get_a_400(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, num_blocks=8)
+    engine.add_request(_request("ctx", PROMPTS[0], SamplingParams(max_tokens=engine.max_context + 1)))
+    engine.add_request(_request("pool", PROMPTS[0], SamplingParams(max_tokens=200)))
+    engine.add_request(_request("ok", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0)))
+    outputs = _drain(engine)
+    errors = {o.request_id: o for o in outputs if o.error}
+    assert set(errors) == {"ctx", "pool"}
+    assert all(o.error_status == 400 and o.finish_reason == "error" for o in errors.values())
+    assert "context" in errors["ctx"].error and "KV blocks" in errors["pool"].error
+    assert any(o.request_id == "ok" and o.finish_reason for o in outputs)
+
+
+def test_load_reports_queue_and_cache(tiny_model_dir: Path) -> None:
+    engine = _engine(tiny_model_dir, max_num_seqs=2)
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(_request(str(i), prompt))
+    engine.step()
+    engine.step()
+    load = engine.load()
+    assert (load.running, load.waiting, load.capacity) == (2, 2, 2)
+    assert 0 < load.kv_usage < 1
+    assert load.decode_step_s > 0 and load.prefill_s_per_token > 0
+    assert {"prefix_cache_hit_rate", "kv_blocks_total", "kv_blocks_free"} <= set(load.extra)
+
+
+def test_seeded_sampling_is_reproducible_in_a_batch(tiny_model_dir: Path) -> None:
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    runs = []
+    for companions in (0, 3):
+        engine = _engine(tiny_model_dir)
+        engine.add_request(_request("s", PROMPTS[4], seeded))
+        for i in range(companions):
+            engine.add_request(_request(f"c{i}", PROMPTS[i], SamplingParams(max_tokens=12, temperature=1.0)))
+        runs.append(_tokens(_drain(engine))["s"])
+    assert runs[0] == runs[1]

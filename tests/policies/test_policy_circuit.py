@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+from policies.circuit import CircuitBreaker
+from policies.config import load
+
+CFG = load({"circuit": {"consecutive_failures": 3, "failure_rate": 0.5, "window": 10, "min_calls": 6,
+                        "open_s": 5.0, "half_open_probes": 1, "close_after": 2}}).circuit
+
+
+def opened(now: float = 0.0) -> CircuitBreaker:
+    br = CircuitBreaker(CFG)
+    for _ in range(3):
+        br.record_failure(now)
+    return br
+
+
+def test_consecutive_failures_open() -> None:
+    br = CircuitBreaker(CFG)
+    br.record_failure(0.0)
+    br.record_failure(0.0)
+    assert br.state(0.0) == "closed" and br.ready(0.0)
+    br.record_failure(1.0)
+    assert br.state(1.0) == "open" and not br.ready(1.0)
+    assert br.retry_after(2.0) == 4.0
+
+
+def test_success_resets_the_run_of_failures() -> None:
+    br = CircuitBreaker(load({"circuit": {"consecutive_failures": 3, "failure_rate": 1.0}}).circuit)
+    for _ in range(4):
+        br.record_failure(0.0)
+        br.record_failure(0.0)
+        br.record_success(0.0)
+    assert br.state(0.0) == "closed"
+    br.record_failure(0.0)
+    br.record_failure(0.0)
+    br.record_failure(0.0)
+    assert br.state(0.0) == "open"
+
+
+def test_failure_rate_opens_once_enough_calls() -> None:
+    br = CircuitBreaker(CFG)
+    for _ in range(2):
+        br.record_success(0.0)
+        br.record_failure(0.0)
+    assert br.state(0.0) == "closed"  # 2 of 4: under min_calls
+    br.record_success(0.0)
+    br.record_failure(0.0)
+    assert br.state(0.0) == "open"  # 3 of 6 failed
+
+
+def test_cool_down_then_half_open_lets_one_probe() -> None:
+    br = opened()
+    assert br.state(4.9) == "open" and not br.ready(4.9)
+    assert br.state(5.0) == "half_open" and br.ready(5.0)
+    br.acquire(5.0)
+    assert not br.ready(5.1)
+
+
+def test_successful_probes_close() -> None:
+    br = opened()
+    br.acquire(5.0)
+    br.record_success(5.2)
+    assert br.state(5.2) == "half_open" and br.ready(5.2)
+    br.acquire(5.2)
+    br.record_success(5.3)
+    assert br.state(5.3) == "closed"
+    br.record_failure(5.4)
+    br.record_failure(5.4)
+    assert br.state(5.4) == "closed"  # the old failures were forgotten
+
+
+def test_failed_probe_reopens_for_another_cool_down() -> None:
+    br = opened()
+    br.acquire(5.0)
+    br.record_failure(5.5)
+    assert br.state(10.4) == "open"
+    assert br.state(10.5) == "half_open"
+
+
+def test_a_lost_probe_does_not_wedge_the_breaker() -> None:
+    br = opened()
+    br.acquire(5.0)
+    assert not br.ready(9.9)
+    assert br.ready(10.0)
+
+
+def test_outcomes_while_open_change_nothing() -> None:
+    br = opened()
+    br.record_success(1.0)
+    br.record_failure(2.0)
+    assert br.state(4.9) == "open" and br.state(5.0) == "half_open"

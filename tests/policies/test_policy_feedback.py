@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+
+from policies.config import load
+from policies.feedback import LatencyFeedback
+
+CFG = load({"admission": {"feedback": {"samples": 100, "tighten": 1.5, "relax": 1.1, "headroom": 0.7,
+                                       "min_factor": 0.8, "max_factor": 3.0}}}).admission.feedback
+
+
+def window(fb: LatencyFeedback, ratio: float, late: int = 0, late_ratio: float = 2.0) -> None:
+    for i in range(CFG.samples):
+        fb.record(late_ratio if i < late else ratio)
+
+
+def test_p99_over_objective_tightens() -> None:
+    fb = LatencyFeedback(CFG)
+    window(fb, 0.5, late=2)  # 2 of 100 late: the P99 is late
+    assert fb.factor == pytest.approx(1.5)
+    assert fb.last_quantile == 2.0
+
+
+def test_one_late_in_a_hundred_is_within_p99() -> None:
+    fb = LatencyFeedback(CFG)
+    window(fb, 0.8, late=1)
+    assert fb.factor == 1.0  # P99 = 0.8: within objective, above headroom
+
+
+def test_headroom_relaxes() -> None:
+    fb = LatencyFeedback(CFG)
+    window(fb, 1.5)
+    window(fb, 0.3)
+    assert fb.factor == pytest.approx(1.5 / 1.1)
+
+
+def test_no_verdict_before_the_window_fills() -> None:
+    fb = LatencyFeedback(CFG)
+    for _ in range(CFG.samples - 1):
+        fb.record(5.0)
+    assert fb.factor == 1.0
+    fb.record(5.0)
+    assert fb.factor == 1.5
+
+
+def test_one_bad_window_tightens_once() -> None:
+    fb = LatencyFeedback(CFG)
+    window(fb, 5.0)
+    for _ in range(CFG.samples // 2):
+        fb.record(0.8)
+    assert fb.factor == pytest.approx(1.5)
+
+
+def test_factor_stays_within_bounds() -> None:
+    fb = LatencyFeedback(CFG)
+    for _ in range(10):
+        window(fb, 9.0)
+    assert fb.factor == 3.0
+    for _ in range(50):
+        window(fb, 0.01)
+    assert fb.factor == 0.8

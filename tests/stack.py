@@ -1,0 +1,92 @@
+"""Real gateway and worker processes for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+
+from slogate.local_redis import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except OSError:
+        return 0, b""
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLOGATE_REDIS_URL": self.redis_url, "PYTHONPATH": str(ROOT),
+                "SLOGATE_LOG_LEVEL": "WARNING", **self.env_overrides}
+
+    def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "slogate.cli", *args], env=self.env(), cwd=ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def gateway(self, *extra: str) -> subprocess.Popen[bytes]:
+        proc = self._spawn("gateway", "--port", str(self.port), "--host", "127.0.0.1", *extra)
+        self.wait_http("/healthz")
+        return proc
+
+    def worker(self, pool: str, engine: str = "sim", *options: str) -> subprocess.Popen[bytes]:
+        args = ["worker", "--pool", pool, "--engine", engine]
+        for opt in options:
+            args += ["-o", opt]
+        return self._spawn(*args)
+
+    def wait_http(self, path: str, status: int = 200, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            if http_get(self.url + path)[0] == status:
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(f"{path} did not answer {status} within {timeout}s")
+            time.sleep(0.05)
+
+    def wait_models(self, model: str, pools: int = 1, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            code, body = http_get(self.url + "/v1/models")
+            if code == 200 and any(m["id"] == model and len(m["pools"]) >= pools
+                                   for m in json.loads(body)["data"]):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"model {model} not served within {timeout}s")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
