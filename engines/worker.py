@@ -54,6 +54,9 @@ class _InFlight:
     received_at: float
     offset: int = 0
     first_token_at: float = 0.0
+    held: str = ""
+    """Text not yet written: a non-streamed request gets its answer in one record."""
+    expiring: bool = False
 
 
 class Worker:
@@ -65,6 +68,7 @@ class Worker:
         self.inflight: dict[str, _InFlight] = {}
         self._adds: list[tuple[GenerateRequest, bytes, int]] = []
         self._aborts: set[str] = set()
+        self._last_expiry_check = 0.0
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -161,7 +165,7 @@ class Worker:
 
     async def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
         async with self.redis.pipeline(transaction=False) as p:
-            self._write(p, req, err)
+            self._write(p, _InFlight(req, entry_id, attempt, time.time()), err)
             p.xack(self.queue, keys.GROUP, entry_id)
             p.xdel(self.queue, entry_id)
             await p.execute()
@@ -176,17 +180,24 @@ class Worker:
 
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        inline = getattr(self.engine, "inline_step", False)
         while True:
             aborted = self._apply_pending()
             if aborted:
                 await self._drop(aborted)
+            expired = self._expire()
+            if expired:
+                await self._drop(expired, deadline=True)
             if not self.engine.has_unfinished():
                 if self._stopping.is_set():
                     return
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            if inline:
+                outputs = self.engine.step()
+            else:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
             if outputs:
                 await self._publish(outputs)
 
@@ -206,17 +217,34 @@ class Worker:
                     prompt=req.prompt, messages=req.messages))
         return aborted
 
-    async def _drop(self, jobs: list[_InFlight]) -> None:
-        """Settle cancelled requests: acknowledged, and their result streams gone, since the
-        gateway stopped reading them and a late write would otherwise linger until its TTL."""
+    def _expire(self) -> list[_InFlight]:
+        """Stop requests whose deadline passed, whatever the engine does about deadlines."""
+        now = time.time()
+        if now - self._last_expiry_check < 0.01:
+            return []
+        self._last_expiry_check = now
+        expired = [job for job in self.inflight.values() if now > job.req.deadline]
+        for job in expired:
+            del self.inflight[job.req.id]
+            self.engine.abort_request(job.req.id)
+        return expired
+
+    async def _drop(self, jobs: list[_InFlight], deadline: bool = False) -> None:
+        """Settle requests stopped early: acknowledged, and with a result stream only when
+        someone may still read it (a deadline), since a cancelling gateway stopped reading."""
         try:
             async with self.redis.pipeline(transaction=False) as p:
+                for job in jobs:
+                    if deadline:
+                        self._write(p, job, Error("the request did not finish before its deadline",
+                                                  "deadline_exceeded", 504, job.attempt))
+                    else:
+                        p.delete(keys.result(job.req.id))
                 p.xack(self.queue, keys.GROUP, *(j.entry_id for j in jobs))
                 p.xdel(self.queue, *(j.entry_id for j in jobs))
-                p.delete(*(keys.result(j.req.id) for j in jobs))
                 await p.execute()
         except (RedisError, OSError) as exc:
-            log.warning("settling %d cancelled request(s) failed: %s", len(jobs), exc)
+            log.warning("settling %d stopped request(s) failed: %s", len(jobs), exc)
 
     async def _publish(self, outputs: list[StepOutput]) -> None:
         now = time.time()
@@ -228,17 +256,18 @@ class Worker:
                     continue
                 if out.error is not None:
                     code = "invalid_request_error" if out.error_status < 500 else "engine_error"
-                    self._write(p, job.req, Error(out.error, code, out.error_status, job.attempt))
+                    self._write(p, job, Error(out.error, code, out.error_status, job.attempt))
                 else:
                     if out.text:
-                        if not job.first_token_at:
-                            job.first_token_at = now
-                        self._write(p, job.req, Delta(out.text, job.offset, job.attempt,
-                                                      out.token_ids))
-                        job.offset += len(out.text)
+                        job.first_token_at = job.first_token_at or now
+                        job.held += out.text
+                    if job.held and (job.req.stream or out.finish_reason is not None):
+                        self._write(p, job, Delta(job.held, job.offset, job.attempt))
+                        job.offset += len(job.held)
+                        job.held = ""
                     if out.finish_reason is None:
                         continue
-                    self._write(p, job.req, Final(
+                    self._write(p, job, Final(
                         out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
                         queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
                         ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
@@ -252,11 +281,15 @@ class Worker:
             except (RedisError, OSError) as exc:
                 log.error("publishing %d outputs failed: %s", len(outputs), exc)
 
-    def _write(self, p: aioredis.client.Pipeline, req: GenerateRequest, msg: Delta | Final | Error) -> None:
-        key = keys.result(req.id)
+    def _write(self, p: aioredis.client.Pipeline, job: _InFlight, msg: Delta | Final | Error) -> None:
+        """Append to the request's result stream; its first write also sets the stream's TTL,
+        so a stream nobody reads (its gateway died) still goes away."""
+        key = keys.result(job.req.id)
         p.xadd(key, {protocol.FIELD: protocol.encode(msg)})
-        ttl = max(1.0, req.deadline - time.time()) + self.s.result_ttl_s
-        p.pexpire(key, int(ttl * 1000))
+        if not job.expiring:
+            job.expiring = True
+            ttl = max(1.0, job.req.deadline - time.time()) + self.s.result_ttl_s
+            p.pexpire(key, int(ttl * 1000))
 
     # -- cancels, heartbeats, orphans -----------------------------------------------------
 

@@ -90,7 +90,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     request_id = uuid.uuid4().hex
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
-        deadline=deadline, enqueued_at=arrived, prompt=parsed.prompt, messages=parsed.messages)
+        deadline=deadline, enqueued_at=arrived, prompt=parsed.prompt, messages=parsed.messages,
+        stream=parsed.stream)
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id), arrived, headers)
     state.in_flight += 1
@@ -179,6 +180,8 @@ def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
         return APIError(502, f"the worker ended the request ({rec.finish_reason})", None, "worker_failed")
     job.outcome = rec.finish_reason
     job.completion_tokens = rec.completion_tokens
+    if not job.parsed.stream:
+        job.first_token_at = job.gen.enqueued_at + rec.ttft_s
     job.state.metrics.queue_wait.labels(*job.labels).observe(rec.queue_wait_s)
     job.state.metrics.prompt_tokens.labels(*job.labels).inc(rec.prompt_tokens)
     return None

@@ -37,7 +37,8 @@ local function step(key, limit, cost)
   if tat < now then
     tat = now
   end
-  local new_tat = tat + math.ceil(cost * period / limit)
+  -- Whole microseconds, rounded down so that exactly `limit` fits in one burst.
+  local new_tat = tat + math.floor(cost * period / limit)
   return new_tat, new_tat - period - now
 end
 local r_tat, r_wait = step(KEYS[1], rpm, 1)

@@ -62,7 +62,8 @@ class AdmissionController:
         self.breakers: dict[str, CircuitBreaker] = {}
         self.feedback = LatencyFeedback(cfg.admission.feedback)
         routing = cfg.routing
-        self._shared = set(routing.pools["batch"]) & (set(routing.pools["interactive"]) | set(routing.interactive_spill))
+        interactive_may_use = set(routing.pools["interactive"]) | set(routing.interactive_spill)
+        self._shared = set(routing.pools["batch"]) & interactive_may_use
 
     def estimate(self, pool: str) -> PoolEstimate:
         est = self.estimates.get(pool)
@@ -122,13 +123,16 @@ class AdmissionController:
             pool, worker, predicted = route.pool, route.worker, route.prediction.total_s
         else:
             # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
-            pool = next((p for p in own if p in usable or p not in signals), None)
-            if pool is None:
+            queueable = next((p for p in own if p in usable or p not in signals), None)
+            if queueable is None:
                 return self._unavailable(own, signals, now)
-            worker, predicted = None, None
+            pool, worker, predicted = queueable, None, None
         depth = usable[pool].queue_depth if pool in usable else 0
         if depth >= target.max_queue:
-            drain = route.prediction.queue_wait_s if route is not None else target.hold_retry_s
+            drain = target.hold_retry_s
+            if route is not None:  # time for the excess to drain at the pool's throughput
+                pred = route.prediction
+                drain = pred.queue_wait_s * (depth - target.max_queue + 1) / (pred.ahead - pred.free_slots + 1)
             return Decision("shed", "batch-queue-full", 429, self._clamp_retry(drain), predicted, pool, worker)
         if deadline is not None and predicted is not None and now + predicted > deadline:
             return Decision("shed", "cannot-meet-deadline", 429, 0.0, predicted, pool, worker)

@@ -31,7 +31,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class InteractiveObjective(_Section):
+class InteractiveObjective(_Section, frozen=True):
     e2e_p99_s: PosFloat = 0.150
     """Objective for non-streamed answers: the whole response."""
     ttft_p99_s: PosFloat = 0.150
@@ -40,7 +40,7 @@ class InteractiveObjective(_Section):
     """After this long nobody waits for an interactive answer; the worker drops it."""
 
 
-class BatchObjective(_Section):
+class BatchObjective(_Section, frozen=True):
     max_queue: PosInt = 1000
     """Batch entries allowed to wait in a pool's stream; beyond it batch is shed."""
     deadline_s: PosFloat = 3600.0
@@ -51,12 +51,12 @@ class BatchObjective(_Section):
     hold_retry_s: PosFloat = 1.0
 
 
-class Objectives(_Section):
+class Objectives(_Section, frozen=True):
     interactive: InteractiveObjective = msgspec.field(default_factory=InteractiveObjective)
     batch: BatchObjective = msgspec.field(default_factory=BatchObjective)
 
 
-class Heuristics(_Section):
+class Heuristics(_Section, frozen=True):
     interactive_max_tokens: NonNegInt = 64
     batch_prompt_chars: PosInt = 8000
     batch_max_tokens: PosInt = 1024
@@ -66,7 +66,7 @@ class Heuristics(_Section):
             raise ValueError("interactive_max_tokens must be below batch_max_tokens")
 
 
-class Classification(_Section):
+class Classification(_Section, frozen=True):
     key_classes: dict[str, Class] = {}
     """API key id -> the class its requests get unless they say otherwise."""
     model_routes: dict[str, Class] = {}
@@ -77,7 +77,7 @@ class Classification(_Section):
     objective protects and work that shows no sign of a waiting user should not spend it."""
 
 
-class Estimator(_Section):
+class Estimator(_Section, frozen=True):
     alpha: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
     """EWMA weight of the newest finished request."""
     min_samples: NonNegInt = 20
@@ -90,7 +90,7 @@ class Estimator(_Section):
     prior_completion_tokens: PosFloat = 64.0
 
 
-class Feedback(_Section):
+class Feedback(_Section, frozen=True):
     samples: PosInt = 200
     """Measured interactive latencies per verdict; the window restarts after each verdict so a
     verdict only sees requests admitted under the current factor."""
@@ -107,7 +107,7 @@ class Feedback(_Section):
             raise ValueError("need min_factor <= 1 <= max_factor")
 
 
-class Admission(_Section):
+class Admission(_Section, frozen=True):
     margin: Annotated[float, msgspec.Meta(ge=1)] = 1.2
     """Predictions are multiplied by this before they are compared with the objective."""
     min_retry_after_s: PosFloat = 0.05
@@ -124,24 +124,24 @@ class Admission(_Section):
 PoolList = Annotated[list[str], msgspec.Meta(min_length=1)]
 
 
-class Pools(_Section):
+class Pools(_Section, frozen=True):
     """Class -> the pools that serve it first (the fastest predicted one wins)."""
 
     interactive: PoolList = msgspec.field(default_factory=lambda: ["interactive"])
     batch: PoolList = msgspec.field(default_factory=lambda: ["batch"])
 
-    def __getitem__(self, cls: Class) -> list[str]:
+    def __getitem__(self, cls: str) -> list[str]:
         return self.interactive if cls == "interactive" else self.batch
 
 
-class Routing(_Section):
+class Routing(_Section, frozen=True):
     pools: Pools = msgspec.field(default_factory=Pools)
     interactive_spill: list[str] = msgspec.field(default_factory=lambda: ["batch"])
     """Pools interactive work may spill to when its own cannot meet the objective. Batch never
     spills into interactive pools: that capacity is what the objective protects."""
 
 
-class Circuit(_Section):
+class Circuit(_Section, frozen=True):
     consecutive_failures: PosInt = 5
     failure_rate: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     window: PosInt = 20
@@ -160,12 +160,12 @@ class Circuit(_Section):
             raise ValueError("min_calls must not exceed window")
 
 
-class KeyLimit(_Section):
+class KeyLimit(_Section, frozen=True):
     rpm: NonNegInt | None = None
     tpm: NonNegInt | None = None
 
 
-class RateLimits(_Section):
+class RateLimits(_Section, frozen=True):
     rpm: NonNegInt = 600
     """Requests per minute per API key; 0 means unlimited."""
     tpm: NonNegInt = 200_000
@@ -180,7 +180,7 @@ class RateLimits(_Section):
         return (self.rpm if own.rpm is None else own.rpm, self.tpm if own.tpm is None else own.tpm)
 
 
-class PolicyConfig(_Section):
+class PolicyConfig(_Section, frozen=True):
     objectives: Objectives = msgspec.field(default_factory=Objectives)
     classification: Classification = msgspec.field(default_factory=Classification)
     admission: Admission = msgspec.field(default_factory=Admission)

@@ -17,20 +17,29 @@ from policies.config import Estimator
 
 
 class ModelLike(Protocol):
-    id: str
-    max_context: int
+    @property
+    def id(self) -> str: ...
+    @property
+    def max_context(self) -> int: ...
 
 
 class WorkerLoad(Protocol):
     """What a worker's heartbeat says about it; ``slogate.protocol.Heartbeat`` fits as is."""
 
-    worker_id: str
-    running: int
-    waiting: int
-    capacity: int
-    prefill_s_per_token: float
-    decode_step_s: float
-    models: Sequence[ModelLike]
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    @property
+    def decode_step_s(self) -> float: ...
+    @property
+    def models(self) -> Sequence[ModelLike]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +97,67 @@ class Prediction:
         return self.queue_wait_s + self.service_s
 
 
-def costs(workers: Sequence[WorkerLoad], est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
-    """``(prefill_s_per_token, decode_s_per_token)`` for a pool: learned once there are enough
-    samples, else the capacity-weighted heartbeat figures, else the prior-seeded estimate."""
-    if est.samples >= cfg.min_samples:
-        return est.prefill_s_per_token, est.decode_s_per_token
-    cap = prefill = decode = 0.0
+@dataclass(frozen=True, slots=True)
+class PoolLoad:
+    """A pool's workers able to serve one request, summed in one pass (this is the hot loop)."""
+
+    capacity: int
+    free: int
+    """Slots not running anything."""
+    waiting: int
+    """Requests workers took but have not started."""
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    """Capacity-weighted heartbeat costs; 0 when no worker reported a step yet."""
+    hint: str | None
+    """The worker that could start one more request soonest, counting its own step times."""
+
+
+def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est: PoolEstimate) -> PoolLoad:
+    """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
+    max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
+    capacity = free = waiting = 0
+    cap_timed = prefill = decode = 0.0
+    hint, best = None, 0.0
+    prompt, completion = est.prompt_tokens, est.completion_tokens
     for w in workers:
-        if w.capacity > 0 and w.decode_step_s > 0:
-            cap += w.capacity
-            prefill += w.capacity * w.prefill_s_per_token
-            decode += w.capacity * w.decode_step_s
-    if cap == 0:
+        cap = w.capacity
+        if cap <= 0:
+            continue
+        if model is not None:
+            for m in w.models:
+                if m.id == model and m.max_context >= tokens:
+                    break
+            else:
+                continue
+        idle = cap - w.running
+        if idle < 0:
+            idle = 0
+        capacity += cap
+        free += idle
+        waiting += w.waiting
+        step = w.decode_step_s
+        if step > 0:
+            cap_timed += cap
+            prefill += cap * w.prefill_s_per_token
+            decode += cap * step
+        mean_service = ((w.prefill_s_per_token or est.prefill_s_per_token) * prompt
+                        + (step or est.decode_s_per_token) * completion)
+        backlog = w.waiting - idle + 1
+        score = (backlog * mean_service / cap if backlog > 0 else 0.0) + mean_service
+        if hint is None or score < best:
+            hint, best = w.worker_id, score
+    if cap_timed:
+        prefill, decode = prefill / cap_timed, decode / cap_timed
+    return PoolLoad(capacity, free, waiting, prefill, decode, hint)
+
+
+def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
+    """``(prefill_s_per_token, decode_s_per_token)`` for a pool: learned once there are enough
+    samples, else the workers' heartbeat figures, else the prior-seeded estimate."""
+    if est.samples >= cfg.min_samples or not load.decode_s_per_token:
         return est.prefill_s_per_token, est.decode_s_per_token
-    return (prefill / cap or est.prefill_s_per_token), decode / cap
+    return load.prefill_s_per_token or est.prefill_s_per_token, load.decode_s_per_token
 
 
 def service_time(prefill_s_per_token: float, decode_s_per_token: float, prompt_tokens: int,
@@ -109,31 +165,16 @@ def service_time(prefill_s_per_token: float, decode_s_per_token: float, prompt_t
     return prefill_s_per_token * prompt_tokens + decode_s_per_token * (1 if stream else max_tokens)
 
 
-def predict(signals: PoolSignals, workers: Sequence[WorkerLoad], est: PoolEstimate, cfg: Estimator,
+def predict(queue_depth: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator,
             prompt_tokens: int, max_tokens: int, stream: bool) -> Prediction | None:
-    """Predict on ``workers`` (the pool's workers able to serve the request); None when there
-    are none, since then no number means anything. Non-decreasing in queue depth and waiting."""
-    capacity = free = ahead = 0
-    for w in workers:
-        capacity += w.capacity
-        free += max(w.capacity - w.running, 0)
-        ahead += w.waiting
-    if capacity <= 0:
+    """None when no worker can serve the request, since then no number means anything.
+    Non-decreasing in queue depth and in the workers' waiting and running counts."""
+    if load.capacity <= 0:
         return None
-    ahead += signals.queue_depth
-    prefill, decode = costs(workers, est, cfg)
+    ahead = queue_depth + load.waiting
+    prefill, decode = costs(load, est, cfg)
     wait = 0.0
-    if ahead >= free:
+    if ahead >= load.free:
         mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
-        wait = (ahead - free + 1) * mean_service / capacity
-    return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream), ahead, free)
-
-
-def worker_score(w: WorkerLoad, est: PoolEstimate) -> float:
-    """Seconds until ``w`` could start one more request, plus that request's mean cost there:
-    what a worker hint minimises. Uses the worker's own step times, so a slow worker loses."""
-    prefill = w.prefill_s_per_token or est.prefill_s_per_token
-    decode = w.decode_step_s or est.decode_s_per_token
-    mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
-    backlog = w.waiting - max(w.capacity - w.running, 0) + 1
-    return max(backlog, 0) * mean_service / w.capacity + mean_service
+        wait = (ahead - load.free + 1) * mean_service / load.capacity
+    return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream), ahead, load.free)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from policies.config import PolicyConfig
-from policies.predict import PoolEstimate, PoolSignals, Prediction, WorkerLoad, predict, worker_score
+from policies.predict import PoolEstimate, PoolSignals, Prediction, aggregate, predict
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,19 +23,6 @@ class Route:
     spilled: bool = False
 
 
-def eligible(workers: Sequence[WorkerLoad], model: str | None, tokens: int) -> list[WorkerLoad]:
-    """Workers that have capacity, serve ``model`` and fit ``tokens`` (prompt + max_tokens) in
-    its context. ``model=None`` skips the model check (a single-model deployment)."""
-    out = []
-    for w in workers:
-        if w.capacity <= 0:
-            continue
-        if model is not None and not any(m.id == model and m.max_context >= tokens for m in w.models):
-            continue
-        out.append(w)
-    return out
-
-
 def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
           estimate: Callable[[str], PoolEstimate], cfg: PolicyConfig, model: str | None,
           prompt_tokens: int, max_tokens: int, stream: bool) -> Route | None:
@@ -44,13 +31,11 @@ def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
         sig = signals.get(pool)
         if sig is None:
             continue
-        workers = eligible(sig.workers, model, prompt_tokens + max_tokens)
         est = estimate(pool)
-        pred = predict(sig, workers, est, cfg.admission.estimator, prompt_tokens, max_tokens, stream)
-        if pred is None or (best is not None and pred.total_s >= best.prediction.total_s):
-            continue
-        hint = min(workers, key=lambda w: worker_score(w, est)).worker_id
-        best = Route(pool, hint, pred)
+        load = aggregate(sig.workers, model, prompt_tokens + max_tokens, est)
+        pred = predict(sig.queue_depth, load, est, cfg.admission.estimator, prompt_tokens, max_tokens, stream)
+        if pred is not None and (best is None or pred.total_s < best.prediction.total_s):
+            best = Route(pool, load.hint, pred)
     return best
 
 

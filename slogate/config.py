@@ -81,10 +81,12 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
         if value is not None:
             raw[name] = _parse_env(name, value, field_type)
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    try:
-        cfg = msgspec.convert(raw, Config, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid configuration: {_name_key(str(exc))}") from exc
+    pools = raw.pop("pools", None)
+    cfg = _convert(raw, Config, "")
+    if pools is not None:
+        if not isinstance(pools, dict) or not pools:
+            raise ConfigError("pools: must map pool names to their settings")
+        cfg.pools = {str(name): _convert(p or {}, PoolConfig, f"pools.{name}.") for name, p in pools.items()}
     _check_ranges(cfg)
     return cfg
 
@@ -105,12 +107,18 @@ def _parse_env(name: str, value: str, field_type: type) -> Any:
         raise ConfigError(f"SLOGATE_{name.upper()}={value!r}: expected {field_type.__name__}") from exc
 
 
-def _name_key(msg: str) -> str:
-    """msgspec says ``... - at `$.pools.batch.workers```; lead with the key instead."""
-    if " - at `$." in msg:
-        what, where = msg.rsplit(" - at `$.", 1)
-        return f"{where.rstrip('`')}: {what}"
-    return msg
+def _convert(raw: Any, kind: type, prefix: str) -> Any:
+    """msgspec says ``... - at `$.port```; lead with the full key instead."""
+    try:
+        return msgspec.convert(raw, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        if " - at `$." in msg:
+            what, where = msg.rsplit(" - at `$.", 1)
+            msg = f"{prefix}{where.rstrip('`')}: {what}"
+        elif prefix:
+            msg = f"{prefix.rstrip('.')}: {msg}"
+        raise ConfigError(f"invalid configuration: {msg}") from None
 
 
 def _check_ranges(cfg: Config) -> None:

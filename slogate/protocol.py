@@ -52,6 +52,8 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
     enqueued_at: float
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    stream: bool = False
+    """Whether the client reads tokens as they come; if not, the worker sends the text once."""
     trace: dict[str, str] = {}
     v: int = VERSION
 
@@ -64,7 +66,6 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     text: str
     offset: int
     attempt: int = 1
-    token_ids: list[int] = []
     v: int = VERSION
 
 

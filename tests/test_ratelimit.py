@@ -25,6 +25,13 @@ async def test_request_limit_holds_then_says_when(client: aioredis.Redis) -> Non
     assert 11.0 < denied.retry_after_s <= 12.0
 
 
+@pytest.mark.parametrize("rpm", [1, 7, 13, 600])
+async def test_a_whole_minute_of_requests_fits_in_one_burst(client: aioredis.Redis, rpm: int) -> None:
+    rl = RateLimiter(client, period_s=3600.0)  # slow refill: none during the loop
+    results = [(await rl.check(f"k{rpm}", rpm=rpm, tpm=0, tokens=1)).allowed for _ in range(rpm + 1)]
+    assert results == [True] * rpm + [False]
+
+
 async def test_token_limit_holds(client: aioredis.Redis) -> None:
     rl = RateLimiter(client)
     assert (await rl.check("k", rpm=0, tpm=1000, tokens=600)).allowed

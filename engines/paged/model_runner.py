@@ -95,7 +95,7 @@ class ModelRunner:
             prefills=prefills,
         )
         sampled = [i for i in range(len(sched.seqs)) if sched.samples(i)]
-        rows = torch.tensor([last_row[i] for i in sampled], device=self.device)
+        rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long, device=self.device)
         return (
             torch.tensor(ids, device=self.device),
             torch.tensor(pos, device=self.device),

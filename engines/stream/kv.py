@@ -8,13 +8,21 @@ leaves frees its memory at once instead of lingering in a view.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 
 def new_cache() -> DynamicCache:
     return DynamicCache()
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The forward argument that takes the cache: recent transformers renamed
+    ``past_key_values`` to ``cache`` and warn on the old name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def cache_length(cache: DynamicCache) -> int:
@@ -74,7 +82,7 @@ class DecodeBatch:
             width = self.mask.shape[1]
             if length < width:
                 _map(cache, lambda t: F.pad(t, (0, 0, width - length, 0)))
-                row_mask = F.pad(row_mask, (width - length, 0))
+                row_mask = F.pad(row_mask, (0, width - length))
             elif length > width:
                 _map(self.cache, lambda t: F.pad(t, (0, 0, length - width, 0)))
                 self.mask = F.pad(self.mask, (length - width, 0))
@@ -103,14 +111,14 @@ class DecodeBatch:
         _map(self.cache, lambda t: t.index_select(0, index)[:, :, cut:].clone())
         self.mask = self.mask.index_select(0, index)[:, cut:].clone()
 
-    def forward_inputs(self) -> dict[str, torch.Tensor | DynamicCache | None]:
+    def forward_inputs(self, cache_arg: str) -> dict[str, torch.Tensor | DynamicCache | None]:
         """Inputs for one decode step over every row."""
         mask = torch.cat([self.mask, self.mask.new_ones(len(self.ids), 1)], dim=1)
         return {
             "input_ids": torch.tensor(self.last_tokens, device=self.device).unsqueeze(1),
             "position_ids": torch.tensor(self.positions, device=self.device).unsqueeze(1),
             "attention_mask": None if bool(mask.all()) else mask,
-            "past_key_values": self.cache,
+            cache_arg: self.cache,
         }
 
     def advance(self, tokens: list[int]) -> None:

@@ -78,7 +78,7 @@ def _assert_pool_clean(engine: PagedEngine) -> None:
 CONFIGS = {
     "batched": {},
     "chunked_prefill": {"max_batched_tokens": 32, "max_num_seqs": 8},
-    "preempted": {"block_size": 8, "num_blocks": 40},
+    "preempted": {"block_size": 8, "num_blocks": 28},
 }
 
 
@@ -133,7 +133,7 @@ def test_prefix_cache_with_preemption_and_chunking(tiny_model_dir: Path, referen
 
 
 def test_blocks_all_return_after_finish_abort_and_preemption(tiny_model_dir: Path) -> None:
-    engine = _engine(tiny_model_dir, block_size=8, num_blocks=40)
+    engine = _engine(tiny_model_dir, block_size=8, num_blocks=28)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(_request(str(i), prompt))
     outputs: list[StepOutput] = []

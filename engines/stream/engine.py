@@ -1,0 +1,293 @@
+"""The latency-first engine: a few streams at a time, each token out the step it is sampled.
+
+A step is one batched decode pass over every stream that has finished its prefill, then as
+much prompt prefill as the rest of the step budget allows, earliest deadline first. A long
+prompt therefore enters in chunks between decode passes instead of freezing the streams
+already running, and a new request starts its prefill in the first step that has room.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from engines.base import EngineLoad, EngineRequest, StepOutput
+from engines.runtime.detokenizer import OutputTracker
+from engines.runtime.loader import LoadedModel
+from engines.runtime.sampling import make_generator, sample
+from engines.stream.kv import DecodeBatch, cache_argument, cache_bytes, cache_length, new_cache
+from engines.stream.schedule import EdfQueue, Ewma, prefill_chunk
+from slogate.protocol import FinishReason
+
+_WARMUP_TOKENS = 64
+
+
+@dataclass
+class _Stream:
+    request: EngineRequest
+    prompt_ids: list[int]
+    tracker: OutputTracker
+    generator: torch.Generator | None
+    cache: DynamicCache | None = None
+    prefilled: int = 0
+
+    def output(self, text: str = "", tokens: list[int] | None = None, reason: FinishReason | None = None) -> StepOutput:
+        return StepOutput(
+            request_id=self.request.id,
+            text=text,
+            token_ids=tokens or [],
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.tracker.token_ids),
+        )
+
+
+class StreamEngine:
+    name = "stream"
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_batch: int = 8,
+        step_budget_ms: float = 20.0,
+        prefill_chunk_tokens: int | None = None,
+        min_prefill_chunk: int = 16,
+        enforce_deadline: bool = True,
+        warmup: bool = True,
+    ) -> None:
+        """``prefill_chunk_tokens`` fixes the prompt tokens per step instead of sizing them
+        from measured cost; ``enforce_deadline`` ends requests whose deadline has passed
+        (nobody waits for them any more) with finish reason ``deadline``."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.loaded = loaded
+        self.model_id = loaded.model_id
+        self.max_context = loaded.max_context
+        self.max_batch = max_batch
+        self.budget_s = step_budget_ms / 1000.0
+        self.fixed_chunk = prefill_chunk_tokens
+        self.min_chunk = min_prefill_chunk
+        self.enforce_deadline = enforce_deadline
+        self.prefill_s_per_token = Ewma()
+        self.decode_step_s = Ewma()
+        self._streams: dict[str, _Stream] = {}
+        self._waiting = EdfQueue()
+        self._prefilling: list[str] = []
+        self._batch = DecodeBatch(loaded.device)
+        self._rejected: list[StepOutput] = []
+        self._cache_arg = cache_argument(loaded.model)
+        if warmup:
+            self._warmup()
+
+    def add_request(self, request: EngineRequest) -> None:
+        if request.id in self._streams:
+            raise ValueError(f"request {request.id} is already in the engine")
+        params = request.sampling
+        try:
+            prompt_ids = self.loaded.encode(request.prompt, request.messages)
+        except Exception as exc:  # a template or tokenizer failure is this request's fault
+            self._reject(request.id, f"cannot tokenize the request: {exc}", 0)
+            return
+        n = len(prompt_ids)
+        if n == 0:
+            self._reject(request.id, "the prompt is empty", 0)
+        elif params.max_tokens < 1:
+            self._reject(request.id, f"max_tokens must be at least 1, got {params.max_tokens}", n)
+        elif n + params.max_tokens > self.max_context:
+            self._reject(
+                request.id,
+                f"the prompt has {n} tokens and max_tokens is {params.max_tokens}: "
+                f"{n + params.max_tokens} exceeds the model's context of {self.max_context} tokens",
+                n,
+            )
+        else:
+            tracker = OutputTracker(self.loaded.tokenizer, params, self.loaded.eos_token_ids, prompt_ids)
+            generator = make_generator(params, self.loaded.device)
+            self._streams[request.id] = _Stream(request, prompt_ids, tracker, generator)
+            self._waiting.push(request.id, request.deadline)
+
+    def abort_request(self, request_id: str) -> None:
+        self._rejected = [o for o in self._rejected if o.request_id != request_id]
+        if self._streams.pop(request_id, None) is None:
+            return
+        self._waiting.remove(request_id)
+        if request_id in self._prefilling:
+            self._prefilling.remove(request_id)
+        with torch.inference_mode():
+            self._batch.leave({request_id})
+
+    def has_unfinished(self) -> bool:
+        return bool(self._streams or self._rejected)
+
+    def step(self) -> list[StepOutput]:
+        outputs, self._rejected = self._rejected, []
+        if self.enforce_deadline:
+            outputs += self._expire(time.time())
+        self._admit()
+        started = time.perf_counter()
+        with torch.inference_mode():
+            if len(self._batch):
+                outputs += self._decode()
+            if self._prefilling:
+                left = self.budget_s - (time.perf_counter() - started)
+                outputs += self._prefill(self._chunk_tokens(left))
+        return outputs
+
+    def load(self) -> EngineLoad:
+        kv_tokens = sum(self.kv_tokens(rid) for rid in self._streams)
+        return EngineLoad(
+            running=len(self._prefilling) + len(self._batch),
+            waiting=len(self._waiting),
+            capacity=self.max_batch,
+            kv_usage=kv_tokens / (self.max_batch * self.max_context),
+            prefill_s_per_token=self.prefill_s_per_token.value,
+            decode_step_s=self.decode_step_s.value,
+            extra={"kv_bytes": float(self.kv_bytes()), "prefill_chunk_tokens": float(self._chunk_tokens(self.budget_s))},
+        )
+
+    def kv_tokens(self, request_id: str) -> int:
+        """KV positions the request holds now (0 once it finished or was aborted)."""
+        stream = self._streams.get(request_id)
+        if stream is not None and stream.cache is not None:
+            return cache_length(stream.cache)
+        return self._batch.tokens_of(request_id)
+
+    def kv_bytes(self) -> int:
+        prefill = sum(cache_bytes(self._streams[rid].cache) for rid in self._prefilling if self._streams[rid].cache)
+        return prefill + self._batch.nbytes()
+
+    def _reject(self, request_id: str, message: str, prompt_tokens: int) -> None:
+        self._rejected.append(
+            StepOutput(request_id, finish_reason="error", prompt_tokens=prompt_tokens, error=message, error_status=400)
+        )
+
+    def _expire(self, now: float) -> list[StepOutput]:
+        late = [s for s in self._streams.values() if s.request.deadline < now]
+        outputs = [s.output(s.tracker.flush(), reason="deadline") for s in late]
+        for stream in late:
+            self.abort_request(stream.request.id)
+        return outputs
+
+    def _admit(self) -> None:
+        while len(self._prefilling) + len(self._batch) < self.max_batch:
+            request_id = self._waiting.pop()
+            if request_id is None:
+                return
+            self._streams[request_id].cache = new_cache()
+            self._prefilling.append(request_id)
+        self._prefilling.sort(key=lambda rid: self._streams[rid].request.deadline)
+
+    def _chunk_tokens(self, left_s: float) -> int:
+        if self.fixed_chunk is not None:
+            return self.fixed_chunk
+        return prefill_chunk(left_s, 0.0, self.prefill_s_per_token.value, self.min_chunk, self.max_context)
+
+    def _prefill(self, budget: int) -> list[StepOutput]:
+        """Spend ``budget`` prompt tokens on prefilling streams, earliest deadline first; a
+        stream whose prompt is done samples its first token now and joins the decode batch."""
+        outputs = []
+        for request_id in list(self._prefilling):
+            if budget <= 0:
+                break
+            stream = self._streams[request_id]
+            n = min(budget, len(stream.prompt_ids) - stream.prefilled)
+            budget -= n
+            try:
+                logits = self._prefill_chunk(stream, n)
+            except Exception as exc:  # one request's failure must not take the engine down
+                outputs.append(self._fail(stream, exc))
+                continue
+            if logits is None:
+                continue
+            self._prefilling.remove(request_id)
+            token = sample(logits, [stream.tracker.params], [stream.generator], [[]], self.loaded.eos_token_ids)[0]
+            text, reason = stream.tracker.append(token)
+            outputs.append(stream.output(text, [token], reason))
+            cache, stream.cache = stream.cache, None
+            if reason is None:
+                self._batch.join(request_id, cache, token)
+            else:
+                del self._streams[request_id]
+        return outputs
+
+    def _prefill_chunk(self, stream: _Stream, n: int) -> torch.Tensor | None:
+        """Run ``n`` more prompt tokens; return the last position's logits once the prompt is
+        done."""
+        start = stream.prefilled
+        device = self.loaded.device
+        began = time.perf_counter()
+        out = self.loaded.model(
+            input_ids=torch.tensor([stream.prompt_ids[start : start + n]], device=device),
+            position_ids=torch.arange(start, start + n, device=device).unsqueeze(0),
+            **{self._cache_arg: stream.cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._sync()
+        if n >= self.min_chunk:
+            self.prefill_s_per_token.add((time.perf_counter() - began) / n)
+        stream.prefilled += n
+        return out.logits[:, -1, :] if stream.prefilled == len(stream.prompt_ids) else None
+
+    def _decode(self) -> list[StepOutput]:
+        began = time.perf_counter()
+        streams = [self._streams[rid] for rid in self._batch.ids]
+        try:
+            out = self.loaded.model(**self._batch.forward_inputs(self._cache_arg), use_cache=True, logits_to_keep=1)
+            tokens = sample(
+                out.logits[:, -1, :],
+                [s.tracker.params for s in streams],
+                [s.generator for s in streams],
+                [s.tracker.token_ids for s in streams],
+                self.loaded.eos_token_ids,
+            )
+        except Exception as exc:  # the batch's cache is in an unknown state: end its rows
+            outputs = [self._fail(s, exc) for s in streams]
+            self._batch.leave({s.request.id for s in streams})
+            return outputs
+        self._batch.advance(tokens)
+        outputs, finished = [], set()
+        for stream, token in zip(streams, tokens):
+            text, reason = stream.tracker.append(token)
+            outputs.append(stream.output(text, [token], reason))
+            if reason is not None:
+                finished.add(stream.request.id)
+                del self._streams[stream.request.id]
+        self._batch.leave(finished)
+        self.decode_step_s.add(time.perf_counter() - began)
+        return outputs
+
+    def _fail(self, stream: _Stream, exc: Exception) -> StepOutput:
+        request_id = stream.request.id
+        self._streams.pop(request_id, None)
+        if request_id in self._prefilling:
+            self._prefilling.remove(request_id)
+        out = stream.output(reason="error")
+        out.error = f"generation failed: {type(exc).__name__}: {exc}"
+        out.error_status = 500
+        return out
+
+    def _sync(self) -> None:
+        if self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
+
+    def _warmup(self) -> None:
+        """Measure prefill and decode cost before the first request, so the first long prompt
+        is already chunked to fit the budget."""
+        n = min(_WARMUP_TOKENS, self.max_context - 1)
+        vocab = self.loaded.model.config.get_text_config().vocab_size
+        ids = [i % vocab for i in range(n)]
+        with torch.inference_mode():
+            for _ in range(2):
+                stream = _Stream(EngineRequest("warmup", None, 0.0), ids, None, None, new_cache())  # type: ignore[arg-type]
+                self.prefill_s_per_token = Ewma()
+                self._prefill_chunk(stream, n)
+                batch = DecodeBatch(self.loaded.device)
+                batch.join("warmup", stream.cache, 0)
+                began = time.perf_counter()
+                self.loaded.model(**batch.forward_inputs(self._cache_arg), use_cache=True, logits_to_keep=1)
+                self._sync()
+                self.decode_step_s = Ewma(time.perf_counter() - began)

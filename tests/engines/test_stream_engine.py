@@ -1,0 +1,289 @@
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.base import EngineRequest, StepOutput
+from engines.runtime.loader import LoadedModel, load_model
+from engines.stream import StreamEngine, create
+from slogate.protocol import SamplingParams
+
+PROMPTS = [
+    "The gateway accepts",
+    "你好，世界。 🚀 launch",
+    "Hello! How are you today? I am fine, thank you. What would you like to know about latency?",
+    "0 1 2",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+
+
+def request(rid: str, prompt: str | None = None, deadline: float = 3600.0, messages=None, **params) -> EngineRequest:
+    params.setdefault("temperature", 0.0)
+    return EngineRequest(rid, SamplingParams(**params), time.time() + deadline, prompt=prompt, messages=messages)
+
+
+def drain(engine: StreamEngine, max_steps: int = 500) -> list[list[StepOutput]]:
+    steps = []
+    while engine.has_unfinished() and len(steps) < max_steps:
+        steps.append(engine.step())
+    assert not engine.has_unfinished()
+    return steps
+
+
+def by_request(steps: list[list[StepOutput]]) -> dict[str, list[StepOutput]]:
+    out: dict[str, list[StepOutput]] = {}
+    for step in steps:
+        for o in step:
+            out.setdefault(o.request_id, []).append(o)
+    return out
+
+
+def tokens_of(outputs: list[StepOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def reference(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = loaded.model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_greedy_matches_transformers_generate(loaded: LoadedModel, chunk: int | None):
+    engine = StreamEngine(loaded, prefill_chunk_tokens=chunk, warmup=False)
+    chat = [{"role": "user", "content": "score this 🙂 transaction"}]
+    engine.add_request(request("p0", PROMPTS[0], max_tokens=24))
+    engine.add_request(request("p1", PROMPTS[1], max_tokens=24))
+    steps = [engine.step(), engine.step()]
+    for i, prompt in enumerate(PROMPTS[2:], start=2):
+        engine.add_request(request(f"p{i}", prompt, max_tokens=24))
+    engine.add_request(request("chat", messages=chat, max_tokens=24))
+    steps += drain(engine)
+    outputs = by_request(steps)
+    for i, prompt in enumerate(PROMPTS):
+        expected = reference(loaded, loaded.encode(prompt, None), 24)
+        assert tokens_of(outputs[f"p{i}"]) == expected, prompt
+    assert tokens_of(outputs["chat"]) == reference(loaded, loaded.encode(None, chat), 24)
+    assert engine.kv_bytes() == 0
+
+
+def test_each_token_is_output_the_step_it_is_sampled(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False)
+    engine.add_request(request("a", PROMPTS[0], max_tokens=6, ignore_eos=True))
+    steps = drain(engine)
+    assert [len(s) for s in steps] == [1] * 6
+    assert all(len(s[0].token_ids) == 1 for s in steps)
+    assert [s[0].completion_tokens for s in steps] == [1, 2, 3, 4, 5, 6]
+    assert steps[-1][0].finish_reason == "length"
+    assert all(s[0].finish_reason is None for s in steps[:-1])
+    assert steps[0][0].prompt_tokens == len(loaded.encode(PROMPTS[0], None))
+
+
+def test_random_model_deltas_concatenate_to_decoded_text(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(request(f"r{i}", prompt, max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
+    for rid, outputs in by_request(drain(engine)).items():
+        text = "".join(o.text for o in outputs)
+        assert text == loaded.tokenizer.decode(tokens_of(outputs), skip_special_tokens=True), rid
+
+
+class ScriptedModel(torch.nn.Module):
+    """The real model (so the real KV path runs), its logits overridden to say ``script``."""
+
+    def __init__(self, model: torch.nn.Module, script: list[int], prompt_len: int) -> None:
+        super().__init__()
+        self.model, self.script, self.prompt_len = model, script, prompt_len
+        self.config = model.config
+
+    def forward(self, cache=None, **kwargs):
+        out = self.model(cache=cache, **kwargs)
+        index = kwargs["position_ids"][:, -1] + 1 - self.prompt_len
+        logits = torch.full_like(out.logits, -1e9)
+        for row, i in enumerate(index.tolist()):
+            logits[row, -1, self.script[i]] = 0.0
+        out.logits = logits
+        return out
+
+
+def scripted_engine(loaded: LoadedModel, text: str, prompt: str) -> StreamEngine:
+    script = loaded.tokenizer(text, add_special_tokens=False).input_ids + [loaded.tokenizer.eos_token_id]
+    model = ScriptedModel(loaded.model, script, len(loaded.encode(prompt, None)))
+    return StreamEngine(dataclasses.replace(loaded, model=model), warmup=False)
+
+
+def test_chinese_and_emoji_stream_as_whole_characters(loaded: LoadedModel):
+    text = "风险评分 🚀 完成了 👍🏽 naïve café 你好"
+    engine = scripted_engine(loaded, text, "q")
+    engine.add_request(request("a", "q", max_tokens=200))
+    engine.add_request(request("b", "q", max_tokens=200))
+    outputs = by_request(drain(engine))
+    for rid in ("a", "b"):
+        deltas = [o.text for o in outputs[rid]]
+        assert "".join(deltas) == text
+        assert all("\ufffd" not in d for d in deltas)
+        assert deltas.count("") > 5, "byte tokens of one character must be held back"
+        assert outputs[rid][-1].finish_reason == "stop"
+
+
+def test_stop_string_split_across_tokens_is_never_emitted_in_part(loaded: LoadedModel):
+    text = "risk 风险评估 is high 风险评分 END ignored"
+    engine = scripted_engine(loaded, text, "q")
+    engine.add_request(request("a", "q", max_tokens=200, stop=["风险评分"]))
+    outputs = by_request(drain(engine))["a"]
+    streamed = ""
+    for o in outputs:
+        streamed += o.text
+        assert "风险评分" not in streamed
+        assert not streamed.endswith(("风", "风险")) or o.finish_reason is not None
+    assert streamed == "risk 风险评估 is high "
+    assert outputs[-1].finish_reason == "stop"
+
+
+def test_abort_frees_kv_at_once_and_survivors_are_unaffected(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(request(f"p{i}", prompt, max_tokens=16, ignore_eos=True))
+    steps = [engine.step() for _ in range(3)]
+    assert all(engine.kv_tokens(f"p{i}") > 0 for i in range(3))
+    before = engine.kv_bytes()
+    longest = engine.kv_tokens("p2")
+    engine.abort_request("p2")
+    assert engine.kv_tokens("p2") == 0
+    assert "p2" not in engine._batch
+    assert engine.kv_bytes() < before * 0.7, "the longest row's padding must go too"
+    assert engine._batch.mask.shape[1] < longest
+    steps += drain(engine)
+    outputs = by_request(steps)
+    assert len(outputs["p2"]) == 3
+    for i in range(2):
+        ids = loaded.encode(PROMPTS[i], None)
+        ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+        assert tokens_of(outputs[f"p{i}"]) == ref[0, len(ids) :].tolist()
+    assert engine.kv_bytes() == 0
+
+
+def test_abort_while_waiting_or_prefilling(loaded: LoadedModel):
+    engine = StreamEngine(loaded, max_batch=1, prefill_chunk_tokens=4, warmup=False)
+    engine.add_request(request("long", PROMPTS[2], max_tokens=4))
+    engine.add_request(request("queued", PROMPTS[0], max_tokens=4))
+    engine.step()
+    assert engine.kv_tokens("long") == 4
+    engine.abort_request("long")
+    engine.abort_request("queued")
+    assert engine.kv_tokens("long") == 0
+    assert engine.kv_bytes() == 0
+    assert not engine.has_unfinished()
+    assert engine.step() == []
+
+
+def test_waiting_requests_go_earliest_deadline_first(loaded: LoadedModel):
+    engine = StreamEngine(loaded, max_batch=1, warmup=False)
+    engine.add_request(request("late", PROMPTS[0], deadline=300, max_tokens=2, ignore_eos=True))
+    engine.add_request(request("soon", PROMPTS[0], deadline=100, max_tokens=2, ignore_eos=True))
+    engine.add_request(request("middle", PROMPTS[0], deadline=200, max_tokens=2, ignore_eos=True))
+    first = engine.step()
+    assert [o.request_id for o in first] == ["soon"]
+    engine.add_request(request("urgent", PROMPTS[0], deadline=50, max_tokens=2, ignore_eos=True))
+    order = [o.request_id for step in drain(engine) for o in step if o.completion_tokens == 1]
+    assert order == ["urgent", "middle", "late"]
+    assert engine.load().waiting == 0
+
+
+def test_long_prompt_is_chunked_and_running_streams_keep_going(loaded: LoadedModel):
+    engine = StreamEngine(loaded, prefill_chunk_tokens=32, warmup=False)
+    engine.add_request(request("chat", PROMPTS[0], max_tokens=100, ignore_eos=True))
+    engine.step()
+    long_prompt = " ".join(PROMPTS * 12)
+    n = len(loaded.encode(long_prompt, None))
+    assert n > 200
+    engine.add_request(request("long", long_prompt, max_tokens=3, ignore_eos=True))
+    steps_to_first = 0
+    while True:
+        step = {o.request_id: o for o in engine.step()}
+        steps_to_first += 1
+        assert len(step["chat"].token_ids) == 1, "the running stream must not stall"
+        if "long" in step:
+            break
+        assert engine.kv_tokens("long") == 32 * steps_to_first
+        assert engine.load().running == 2
+    assert steps_to_first == -(-n // 32)
+    expected = reference(loaded, loaded.encode(long_prompt, None), 3)
+    assert step["long"].token_ids == expected[:1]
+
+
+def test_too_long_request_errors_on_next_step_without_raising(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False)
+    engine.add_request(request("ok", PROMPTS[0], max_tokens=2))
+    n = len(loaded.encode(PROMPTS[1], None))
+    engine.add_request(request("big", PROMPTS[1], max_tokens=loaded.max_context))
+    engine.add_request(request("nochat", None))
+    outputs = by_request(drain(engine))
+    big = outputs["big"][0]
+    assert big.error_status == 400 and big.finish_reason == "error"
+    assert str(n) in big.error and str(loaded.max_context) in big.error
+    assert outputs["nochat"][0].error_status == 400
+    assert outputs["ok"][-1].finish_reason in ("stop", "length")
+
+
+def test_a_failing_forward_fails_only_its_request(loaded: LoadedModel):
+    class FailsOnLongInput(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def forward(self, cache=None, **kwargs):
+            if kwargs["input_ids"].shape[1] > 30:
+                raise RuntimeError("out of memory")
+            return self.model(cache=cache, **kwargs)
+
+    engine = StreamEngine(dataclasses.replace(loaded, model=FailsOnLongInput(loaded.model)), warmup=False)
+    engine.add_request(request("short", PROMPTS[0], max_tokens=3, ignore_eos=True))
+    engine.add_request(request("long", " ".join(PROMPTS * 3), max_tokens=3))
+    outputs = by_request(drain(engine))
+    assert outputs["long"][0].error_status == 500 and "out of memory" in outputs["long"][0].error
+    assert tokens_of(outputs["short"]) == reference(loaded, loaded.encode(PROMPTS[0], None), 3)
+
+
+def test_passed_deadline_ends_the_request(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False)
+    engine.add_request(request("gone", PROMPTS[0], deadline=-1, max_tokens=5))
+    engine.add_request(request("fine", PROMPTS[0], max_tokens=5, ignore_eos=True))
+    outputs = by_request(drain(engine))
+    assert [o.finish_reason for o in outputs["gone"]] == ["deadline"]
+    assert len(tokens_of(outputs["fine"])) == 5
+    relaxed = StreamEngine(loaded, warmup=False, enforce_deadline=False)
+    relaxed.add_request(request("gone", PROMPTS[0], deadline=-1, max_tokens=5, ignore_eos=True))
+    assert len(tokens_of(by_request(drain(relaxed))["gone"])) == 5
+
+
+def test_seeded_sampling_repeats_whatever_else_runs(loaded: LoadedModel):
+    def run(companions: int) -> list[int]:
+        engine = StreamEngine(loaded, warmup=False)
+        engine.add_request(request("x", PROMPTS[0], max_tokens=12, temperature=0.9, top_p=0.9, seed=7))
+        for i in range(companions):
+            engine.add_request(request(f"c{i}", PROMPTS[i], max_tokens=12, temperature=1.0))
+        return tokens_of(by_request(drain(engine))["x"])
+
+    assert run(0) == run(3)
+
+
+def test_create_measures_costs_for_load_reports(tiny_model_dir: Path):
+    engine = create(str(tiny_model_dir), device="cpu", max_batch=3)
+    load = engine.load()
+    assert load.capacity == 3 and load.running == 0 and load.waiting == 0
+    assert load.prefill_s_per_token > 0 and load.decode_step_s > 0
+    for i in range(5):
+        engine.add_request(request(f"r{i}", PROMPTS[0], max_tokens=4))
+    engine.step()
+    load = engine.load()
+    assert (load.running, load.waiting) == (3, 2)
+    assert 0 < load.kv_usage < 1 and load.extra["kv_bytes"] > 0

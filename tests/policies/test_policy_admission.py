@@ -1,0 +1,214 @@
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+
+from policies.admission import AdmissionController, deadline_for
+from policies.config import load
+from policies.predict import PoolSignals
+from slogate.protocol import Heartbeat, ModelInfo
+
+CFG = load({})  # interactive pool "interactive", batch pool "batch", interactive may spill to batch
+BUDGET = 0.150 / 1.2
+
+
+def hb(worker_id: str, running: int = 0, waiting: int = 0, capacity: int = 8, decode: float = 0.01,
+       prefill: float = 0.0001) -> Heartbeat:
+    return Heartbeat(worker_id=worker_id, pool="p", engine="sim", models=[ModelInfo("m", 8192)],
+                     running=running, waiting=waiting, capacity=capacity,
+                     prefill_s_per_token=prefill, decode_step_s=decode)
+
+
+def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: int = 64,
+            b_waiting: int = 0, b_decode: float = 0.03) -> dict[str, PoolSignals]:
+    return {
+        "interactive": PoolSignals("interactive", i_depth,
+                                   [hb("i1", running=i_running), hb("i2", running=i_running)]),
+        "batch": PoolSignals("batch", b_depth,
+                             [hb("b1", running=b_running, waiting=b_waiting, capacity=64, decode=b_decode)]),
+    }
+
+
+def ask(ctl: AdmissionController, sig: dict[str, PoolSignals], cls: str = "interactive", stream: bool = False,
+        max_tokens: int | None = 8, now: float = 0.0, deadline: float | None = None):
+    return ctl.decide(cls=cls, stream=stream, prompt_tokens=100, max_tokens=max_tokens, signals=sig,
+                      now=now, model="m", deadline=deadline)
+
+
+def test_idle_interactive_is_admitted_with_a_worker_hint() -> None:
+    d = ask(AdmissionController(CFG), signals(i_running=0))
+    assert (d.outcome, d.reason, d.status, d.pool, d.admitted) == ("admit", "fits", 200, "interactive", True)
+    assert d.worker in {"i1", "i2"}
+    assert d.predicted_s == pytest.approx(100 * 0.0001 + 8 * 0.01)
+
+
+def test_overloaded_interactive_is_shed_with_a_retry_after() -> None:
+    d = ask(AdmissionController(CFG), signals(i_depth=200, i_running=8))
+    assert (d.outcome, d.reason, d.status) == ("shed", "overloaded", 429)
+    assert d.predicted_s > BUDGET
+    assert CFG.admission.min_retry_after_s <= d.retry_after_s <= CFG.admission.max_retry_after_s
+
+
+def test_admission_is_monotone_in_queue_depth() -> None:
+    ctl = AdmissionController(CFG)
+    decisions = [ask(ctl, signals(i_depth=depth, i_running=6)) for depth in range(0, 100)]
+    predicted = [d.predicted_s for d in decisions]
+    assert all(a <= b for a, b in pairwise(predicted))
+    admitted = [d.admitted for d in decisions]
+    first_shed = admitted.index(False)
+    assert first_shed > 0 and not any(admitted[first_shed:])
+    retries = [d.retry_after_s for d in decisions[first_shed:]]
+    assert all(a <= b for a, b in pairwise(retries))
+
+
+def test_streamed_requests_are_judged_on_the_first_token() -> None:
+    ctl = AdmissionController(CFG)
+    long_answer = ask(ctl, signals(), max_tokens=400)
+    assert (long_answer.outcome, long_answer.reason, long_answer.retry_after_s) == ("shed", "exceeds-objective", 0.0)
+    assert ask(ctl, signals(), stream=True, max_tokens=400).admitted
+
+
+def test_interactive_decisions_do_not_depend_on_batch_demand() -> None:
+    ctl = AdmissionController(CFG)
+    outcomes = set()
+    for i_depth in (0, 3, 10, 40):
+        quiet = ask(ctl, signals(i_depth=i_depth, i_running=6, b_depth=0, b_running=0))
+        flooded = ask(ctl, signals(i_depth=i_depth, i_running=6, b_depth=999, b_running=64, b_waiting=500))
+        assert quiet.pool == "interactive"
+        assert (flooded.outcome, flooded.pool, flooded.predicted_s) == (quiet.outcome, quiet.pool, quiet.predicted_s)
+        outcomes.add(quiet.outcome)
+    assert outcomes == {"admit", "shed"}
+
+
+def test_interactive_spills_to_batch_only_when_that_meets_the_objective() -> None:
+    ctl = AdmissionController(CFG)
+    d = ask(ctl, signals(i_depth=200, i_running=8, b_running=10, b_decode=0.01))
+    assert (d.outcome, d.reason, d.pool) == ("admit", "spill", "batch")
+    d = ask(ctl, signals(i_depth=200, i_running=8, b_depth=300, b_running=64))
+    assert (d.outcome, d.pool) == ("shed", "interactive")
+
+
+def test_batch_waits_while_interactive_is_busy_on_shared_pools() -> None:
+    ctl = AdmissionController(CFG)
+    assert ask(ctl, signals(i_running=2), cls="batch").admitted
+    d = ask(ctl, signals(i_running=8, i_depth=2), cls="batch")
+    assert (d.outcome, d.reason, d.status, d.retry_after_s) == ("wait", "interactive-busy", 429, 1.0)
+
+
+def test_batch_is_not_held_when_it_shares_nothing_with_interactive() -> None:
+    ctl = AdmissionController(load({"routing": {"interactive_spill": []}}))
+    d = ask(ctl, signals(i_running=8, i_depth=50), cls="batch")
+    assert (d.outcome, d.reason, d.pool) == ("admit", "queued", "batch")
+
+
+def test_batch_is_shed_only_when_its_queue_is_full() -> None:
+    ctl = AdmissionController(CFG)
+    assert ask(ctl, signals(b_depth=999), cls="batch", max_tokens=2000).admitted
+    d = ask(ctl, signals(b_depth=1000), cls="batch", max_tokens=2000)
+    assert (d.outcome, d.reason, d.status, d.pool) == ("shed", "batch-queue-full", 429, "batch")
+    # One entry over: the time one slot of 64 takes to free, (256 x 0.0001 + 64 x 0.03) / 64 s.
+    assert d.retry_after_s == pytest.approx((256 * 0.0001 + 64 * 0.03) / 64, abs=1e-3)
+    further = ask(ctl, signals(b_depth=1100), cls="batch", max_tokens=2000)
+    assert further.retry_after_s > d.retry_after_s
+
+
+def test_batch_past_its_deadline_fails() -> None:
+    ctl = AdmissionController(CFG)
+    d = ask(ctl, signals(), cls="batch", now=100.0, deadline=100.0)
+    assert (d.outcome, d.reason, d.status) == ("expired", "deadline", 504)
+    d = ask(ctl, signals(b_depth=900), cls="batch", now=100.0, deadline=101.0)
+    assert (d.outcome, d.reason) == ("shed", "cannot-meet-deadline")
+    assert ask(ctl, signals(b_depth=900), cls="batch", now=100.0, deadline=deadline_for("batch", 100.0, CFG)).admitted
+
+
+def test_deadlines_per_class() -> None:
+    assert deadline_for("interactive", 10.0, CFG) == 15.0
+    assert deadline_for("batch", 10.0, CFG) == 3610.0
+
+
+def test_no_workers() -> None:
+    ctl = AdmissionController(CFG)
+    empty = {"interactive": PoolSignals("interactive", 0, []), "batch": PoolSignals("batch", 3, [])}
+    d = ask(ctl, empty)
+    assert (d.outcome, d.reason, d.status) == ("unavailable", "no-workers", 503)
+    d = ask(ctl, empty, cls="batch")  # batch may queue while workers restart
+    assert (d.outcome, d.pool, d.worker, d.predicted_s) == ("admit", "batch", None, None)
+
+
+def test_open_circuit_fails_fast_then_probes() -> None:
+    ctl = AdmissionController(CFG)
+    only_interactive = {"interactive": signals()["interactive"]}
+    for _ in range(CFG.circuit.consecutive_failures):
+        ctl.observe_failure("interactive", now=10.0)
+    d = ask(ctl, only_interactive, now=11.0)
+    assert (d.outcome, d.reason, d.status, d.retry_after_s) == ("unavailable", "circuit-open", 503, 4.0)
+    # With the batch pool in sight, interactive work spills there instead.
+    assert ask(ctl, signals(b_running=0, b_decode=0.01), now=11.0).pool == "batch"
+    probe = ask(ctl, only_interactive, now=15.0)
+    assert probe.admitted and probe.pool == "interactive"
+    assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open"
+    ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2)
+    assert ask(ctl, only_interactive, now=15.3).admitted
+    ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4)
+    assert ctl.breaker("interactive").state(15.5) == "closed"
+
+
+def report(ctl: AdmissionController, e2e_s: float, n: int) -> None:
+    # Reported against a pool no test request goes to, so only the feedback loop (global to the
+    # interactive class) changes, not the interactive pool's learned costs.
+    for _ in range(n):
+        ctl.observe(pool="elsewhere", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
+                    queue_wait_s=0.0, ttft_s=e2e_s / 2, e2e_s=e2e_s, now=0.0)
+
+
+def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
+    ctl = AdmissionController(CFG)
+    sig = signals(i_running=0)
+    assert ask(ctl, sig, max_tokens=11).admitted  # predicted 0.12 s, budget 0.125 s
+    report(ctl, e2e_s=0.3, n=CFG.admission.feedback.samples)
+    assert ctl.feedback.factor == pytest.approx(1.25)
+    assert ctl.budget(False) == pytest.approx(BUDGET / 1.25)
+    assert not ask(ctl, sig, max_tokens=11).admitted
+    assert ask(ctl, sig, max_tokens=8).admitted
+    for _ in range(10):
+        report(ctl, e2e_s=0.05, n=CFG.admission.feedback.samples)
+    assert ctl.feedback.factor < 0.8
+    assert ask(ctl, sig, max_tokens=12).admitted
+
+
+def test_batch_latencies_do_not_move_the_interactive_loop() -> None:
+    ctl = AdmissionController(CFG)
+    for _ in range(CFG.admission.feedback.samples):
+        ctl.observe(pool="batch", cls="batch", stream=False, prompt_tokens=100, completion_tokens=500,
+                    queue_wait_s=30.0, ttft_s=31.0, e2e_s=60.0, now=0.0)
+    assert ctl.feedback.factor == 1.0
+
+
+def test_learned_costs_move_predictions() -> None:
+    ctl = AdmissionController(CFG)
+    sig = signals(i_running=0)
+    before = ask(ctl, sig)
+    assert before.admitted
+    for _ in range(CFG.admission.estimator.min_samples):  # the pool got five times slower per token
+        ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
+                    queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.41, now=0.0)
+    after = ask(ctl, sig)
+    assert after.predicted_s > 3 * before.predicted_s
+    assert not after.admitted
+
+
+def test_missing_max_tokens_is_costed_at_the_mean_answer() -> None:
+    ctl = AdmissionController(CFG)
+    mean = round(CFG.admission.estimator.prior_completion_tokens)
+    assert ask(ctl, signals(), max_tokens=None).predicted_s == ask(ctl, signals(), max_tokens=mean).predicted_s
+
+
+def test_multiple_pools_per_class_take_the_least_loaded() -> None:
+    cfg = load({"routing": {"pools": {"interactive": ["a", "b"]}, "interactive_spill": []}})
+    sig = {"a": PoolSignals("a", 30, [hb("a1", running=8)]), "b": PoolSignals("b", 0, [hb("b1", running=3)])}
+    d = AdmissionController(cfg).decide(cls="interactive", stream=True, prompt_tokens=10, max_tokens=50,
+                                        signals=sig, now=0.0)
+    assert (d.pool, d.worker) == ("b", "b1")

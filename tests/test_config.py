@@ -1,0 +1,36 @@
+import pytest
+
+from slogate.config import ConfigError, load_config
+
+
+def test_defaults() -> None:
+    cfg = load_config(env={})
+    assert cfg.port == 8000 and cfg.max_body_bytes == 1 << 20
+    assert set(cfg.pools) == {"interactive", "batch"}
+
+
+def test_yaml_then_env_then_overrides(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 9000\nrequest_timeout_s: 5\npools:\n  fast: {engine: sim, workers: 2}\n")
+    cfg = load_config(path, env={"SLOGATE_REQUEST_TIMEOUT_S": "7.5"}, overrides={"port": 9100})
+    assert cfg.port == 9100 and cfg.request_timeout_s == 7.5
+    assert cfg.pools["fast"].workers == 2
+
+
+@pytest.mark.parametrize("yaml_text,key", [
+    ("port: eighty\n", "port"),
+    ("pools:\n  a: {workers: many}\n", "pools.a.workers"),
+    ("colour: blue\n", "colour"),
+    ("heartbeat_interval_s: 5\nheartbeat_ttl_s: 2\n", "heartbeat_ttl_s"),
+    ("claim_idle_s: 0\n", "claim_idle_s"),
+])
+def test_bad_values_name_the_key(tmp_path, yaml_text: str, key: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(path, env={})
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="SLOGATE_PORT"):
+        load_config(env={"SLOGATE_PORT": "x"})

@@ -1,0 +1,33 @@
+import msgspec
+import pytest
+
+from slogate import protocol
+from slogate.protocol import Delta, Error, Final, GenerateRequest, SamplingParams
+
+
+def test_round_trip_of_every_message() -> None:
+    req = GenerateRequest(id="a", model="m", pool="p", cls="interactive",
+                          sampling=SamplingParams(max_tokens=4, stop=["\n"]), deadline=2.0,
+                          enqueued_at=1.0, messages=[{"role": "user", "content": "hi"}])
+    assert protocol.decode_request(protocol.encode(req)) == req
+    for rec in (Delta("x", 3, attempt=2), Final("stop", 5, 2), Error("boom", "engine_error", 500)):
+        assert protocol.decode_result(protocol.encode(rec)) == rec
+
+
+def test_other_version_fails_loudly() -> None:
+    data = protocol.encode(Delta("x", 0, v=protocol.VERSION + 1))
+    with pytest.raises(protocol.ProtocolError, match="version"):
+        protocol.decode_result(data)
+
+
+def test_garbage_is_a_protocol_error() -> None:
+    with pytest.raises(protocol.ProtocolError, match="malformed"):
+        protocol.decode_request(b"\x93\x01\x02")
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_result(msgspec.msgpack.encode({"type": "nope"}))
+
+
+def test_determinism_flag() -> None:
+    assert SamplingParams(temperature=0).deterministic
+    assert SamplingParams(temperature=0.7, seed=3).deterministic
+    assert not SamplingParams(temperature=0.7).deterministic

@@ -1,0 +1,43 @@
+import pytest
+
+from gateway.relay import Relay, SplicedOutput
+from slogate.protocol import Delta, Final
+
+
+def feed(relay: Relay, *records) -> str:
+    return "".join(t for r in records if (t := relay.accept(r)))
+
+
+def test_replay_of_a_deterministic_request_is_not_repeated() -> None:
+    relay = Relay(streamed=True, deterministic=True)
+    sent = feed(relay, Delta(" a", 0), Delta(" b", 2))
+    resumed = feed(relay, Delta(" a", 0, attempt=2), Delta(" b", 2, attempt=2), Delta(" c", 4, attempt=2))
+    assert sent + resumed == " a b c"
+    assert relay.accept(Final("length", 1, 3, attempt=2)) is None
+
+
+def test_partly_overlapping_delta_keeps_only_the_new_part() -> None:
+    relay = Relay(streamed=True, deterministic=True)
+    feed(relay, Delta("abc", 0))
+    assert relay.accept(Delta("bcdef", 1, attempt=2)) == "def"
+
+
+def test_stale_attempt_is_ignored() -> None:
+    relay = Relay(streamed=False, deterministic=True)
+    feed(relay, Delta("x", 0, attempt=2))
+    assert relay.accept(Delta("zzz", 1, attempt=1)) is None
+    assert relay.text == "x"
+
+
+def test_non_deterministic_stream_cannot_be_spliced() -> None:
+    relay = Relay(streamed=True, deterministic=False)
+    feed(relay, Delta("abc", 0))
+    with pytest.raises(SplicedOutput):
+        relay.accept(Delta("xyz", 0, attempt=2))
+
+
+def test_non_deterministic_buffered_answer_restarts_cleanly() -> None:
+    relay = Relay(streamed=False, deterministic=False)
+    feed(relay, Delta("abc", 0))
+    feed(relay, Delta("xy", 0, attempt=2), Delta("z", 2, attempt=2))
+    assert relay.text == "xyz"

@@ -1,0 +1,62 @@
+import time
+
+from engines.base import EngineRequest
+from engines.sim import create, stop_cut
+from slogate.protocol import SamplingParams
+
+
+def run(engine, *requests) -> dict[str, list]:
+    for r in requests:
+        engine.add_request(r)
+    out: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o)
+    return out
+
+
+def req(rid: str, prompt: str = "p", **sampling) -> EngineRequest:
+    return EngineRequest(rid, SamplingParams(**sampling), time.time() + 60, prompt=prompt)
+
+
+def test_output_is_deterministic_in_the_prompt() -> None:
+    a = run(create(decode_base_s=0), req("a", max_tokens=5), req("b", max_tokens=5))
+    b = run(create(decode_base_s=0), req("c", max_tokens=5))
+    text = lambda outs: "".join(o.text for o in outs)  # noqa: E731
+    assert text(a["a"]) == text(a["b"]) == text(b["c"])
+    assert a["a"][-1].finish_reason == "length" and a["a"][-1].completion_tokens == 5
+
+
+def test_batch_limit_holds_requests_back() -> None:
+    engine = create(decode_base_s=0, max_batch=2)
+    for i in range(3):
+        engine.add_request(req(str(i), max_tokens=2))
+    first = engine.step()
+    assert sorted(o.request_id for o in first) == ["0", "1"]
+    assert engine.load().waiting == 1 and engine.load().running == 2
+
+
+def test_prompt_beyond_context_is_an_error_output() -> None:
+    engine = create(max_context=10, chars_per_token=1)
+    outs = run(engine, req("x", prompt="y" * 8, max_tokens=5))["x"]
+    assert outs[0].error and outs[0].error_status == 400 and "context" in outs[0].error
+
+
+def test_abort_frees_the_request() -> None:
+    engine = create(decode_base_s=0)
+    engine.add_request(req("x", max_tokens=100))
+    engine.step()
+    engine.abort_request("x")
+    assert not engine.has_unfinished()
+
+
+def test_expired_deadline_finishes_with_deadline() -> None:
+    engine = create(decode_base_s=0)
+    engine.add_request(EngineRequest("x", SamplingParams(max_tokens=9), time.time() - 1, prompt="p"))
+    assert engine.step()[0].finish_reason == "deadline"
+
+
+def test_stop_cut_holds_back_partial_stops() -> None:
+    assert stop_cut("hello wor", 0, ["world"]) == (6, False)
+    assert stop_cut("hello world!", 6, ["world"]) == (6, True)
+    assert stop_cut("abc", 0, ["x"]) == (3, False)
