@@ -22,7 +22,6 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from engines.base import EngineRequest
 from engines.paged import PagedEngine, PagedOptions
-from engines.runtime.loader import load_model
+from engines.runtime.loader import LoadedModel, load_model
 from engines.runtime.tiny_model import build_tiny_model
 from slogate.protocol import SamplingParams
 
@@ -40,7 +39,9 @@ RESULTS = Path(__file__).parent / "results"
 
 @dataclass
 class Job:
+    prompt: str
     prompt_ids: list[int]
+    """What the engine's tokenizer makes of ``prompt``; the transformers runs get the same ids."""
     max_tokens: int
 
 
@@ -56,11 +57,21 @@ class Row:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
-def make_jobs(n: int, vocab: range, seed: int) -> list[Job]:
+def make_jobs(loaded: LoadedModel, n: int, seed: int) -> list[Job]:
     rng = random.Random(seed)
-    return [
-        Job([rng.choice(vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256)) for _ in range(n)
-    ]
+    jobs = []
+    for _ in range(n):
+        text = _random_text(loaded, rng, rng.randint(32, 512))
+        jobs.append(Job(text, loaded.encode(text, None), rng.randint(16, 256)))
+    return jobs
+
+
+def _random_text(loaded: LoadedModel, rng: random.Random, num_tokens: int) -> str:
+    """Text of about ``num_tokens`` tokens (decoding random ids and encoding again may merge
+    a few)."""
+    special = set(loaded.tokenizer.all_special_ids)
+    vocab = range(max(special) + 1, len(loaded.tokenizer))
+    return loaded.tokenizer.decode([rng.choice(vocab) for _ in range(num_tokens)])
 
 
 def run_paged(engine: PagedEngine, jobs: list[Job]) -> Row:
@@ -68,7 +79,7 @@ def run_paged(engine: PagedEngine, jobs: list[Job]) -> Row:
     tokens = 0
     started = time.perf_counter()
     for i, job in enumerate(jobs):
-        engine.add_request(_request(engine, f"j{i}", job.prompt_ids, job.max_tokens))
+        engine.add_request(_request(engine, f"j{i}", job.prompt, job.max_tokens))
     while engine.has_unfinished():
         for out in engine.step():
             assert out.error is None, out.error
@@ -125,50 +136,28 @@ def run_transformers_cb(model: PreTrainedModel, jobs: list[Job]) -> Row:
     return Row("transformers continuous batching", tokens, time.perf_counter() - started)
 
 
-def prefix_ttft(engine: PagedEngine, vocab: range, seed: int, repeats: int = 3) -> tuple[float, float]:
+def prefix_ttft(engine: PagedEngine, seed: int, repeats: int = 5) -> tuple[float, float]:
     """Median TTFT of a request whose 512-token prefix is cached, and of one whose is not."""
     rng = random.Random(seed)
     cached, uncached = [], []
     for r in range(repeats):
-        prefix = [rng.choice(vocab) for _ in range(512)]
-        suffix = [[rng.choice(vocab) for _ in range(8)] for _ in range(2)]
-        uncached.append(_ttft(engine, f"u{r}", prefix + suffix[0]))
-        cached.append(_ttft(engine, f"c{r}", prefix + suffix[1]))
+        prefix = _random_text(engine.loaded, rng, 512)
+        uncached.append(_ttft(engine, f"u{r}", prefix + " first question"))
+        cached.append(_ttft(engine, f"c{r}", prefix + " second question"))
     return statistics.median(cached), statistics.median(uncached)
 
 
-def _ttft(engine: PagedEngine, rid: str, prompt_ids: list[int]) -> float:
+def _ttft(engine: PagedEngine, rid: str, prompt: str) -> float:
     started = time.perf_counter()
-    engine.add_request(_request(engine, rid, prompt_ids, 1))
+    engine.add_request(_request(engine, rid, prompt, 1))
     while True:
         if any(out.token_ids for out in engine.step()):
             return time.perf_counter() - started
 
 
-def _request(engine: PagedEngine, rid: str, prompt_ids: list[int], max_tokens: int) -> EngineRequest:
+def _request(engine: PagedEngine, rid: str, prompt: str, max_tokens: int) -> EngineRequest:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    text = engine.loaded.tokenizer.decode(prompt_ids)
-    request = EngineRequest(rid, sampling, time.time() + 86400, prompt=text)
-    request_ids = engine.loaded.encode(text, None)
-    if request_ids != prompt_ids:
-        request.prompt = None
-        request.messages = None
-        engine.loaded.encode = _pinned(engine.loaded.encode, text, prompt_ids)
-    return request
-
-
-def _pinned(encode: Callable, text: str, ids: list[int]) -> Callable:
-    """Make the engine see exactly the benchmark's token ids for ``text`` (a decode/encode
-    round trip of random ids is not always the identity)."""
-    pinned = getattr(encode, "pinned", {})
-    base = getattr(encode, "base", encode)
-    pinned[text] = ids
-
-    def wrapped(prompt: str | None, messages: list | None) -> list[int]:
-        return list(pinned[prompt]) if prompt in pinned else base(prompt, messages)
-
-    wrapped.pinned, wrapped.base = pinned, base
-    return wrapped
+    return EngineRequest(rid, sampling, time.time() + 86400, prompt=prompt)
 
 
 def _greedy(max_new_tokens: int) -> dict:
@@ -184,6 +173,7 @@ def main() -> None:
     parser.add_argument("--static-batch", type=int, default=32)
     parser.add_argument("--skip-transformers-cb", action="store_true")
     parser.add_argument("--max-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -191,19 +181,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size)
         loaded = load_model(str(model_dir), dtype="fp32", device="cpu")
-        special = set(loaded.tokenizer.all_special_ids)
-        vocab = range(max(special) + 1, len(loaded.tokenizer))
-        jobs = make_jobs(args.requests, vocab, args.seed)
+        jobs = make_jobs(loaded, args.requests, args.seed)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         pad_id = loaded.tokenizer.pad_token_id
 
-        warm = PagedEngine(loaded, PagedOptions(max_batched_tokens=args.max_batched_tokens))
-        run_paged(warm, jobs[:4])
-        engine = PagedEngine(
-            load_model(str(model_dir), dtype="fp32", device="cpu"),
-            PagedOptions(max_batched_tokens=args.max_batched_tokens),
-        )
+        options = PagedOptions(max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=args.kv_cache_mib * 2**20)
+        run_paged(PagedEngine(loaded, options), jobs[:4])
+        engine = PagedEngine(loaded, options)
         rows = [run_paged(engine, jobs)]
         rows.append(run_static(hf, jobs, args.static_batch, pad_id))
         seq_jobs = jobs[: args.sequential]
@@ -217,7 +202,7 @@ def main() -> None:
                 rows.append(run_transformers_cb(cb_model, jobs))
             except Exception as exc:  # noqa: BLE001 - report what broke, keep the other figures
                 rows.append(Row("transformers continuous batching", 0, 0.0, f"failed: {exc!r}"[:120]))
-        cached, uncached = prefix_ttft(engine, vocab, args.seed + 1)
+        cached, uncached = prefix_ttft(engine, args.seed + 1)
 
     report(args, jobs, rows, cached, uncached, engine)
 

@@ -193,7 +193,7 @@ def load(data: Mapping[str, Any] | None, root: str = "policies") -> PolicyConfig
     """Build and validate the config; ``root`` is how the caller's file names this section, so
     errors read ``policies.admission.margin: Expected `float` >= 1.0``."""
     try:
-        return msgspec.convert(dict(data or {}), PolicyConfig)
+        return msgspec.convert({} if data is None else data, PolicyConfig)
     except msgspec.ValidationError as exc:
         message, _, where = str(exc).rpartition(" - at `")
         if not message:

@@ -48,7 +48,9 @@ class PoolSignals:
 
     pool: str
     queue_depth: int
-    """Entries in the pool's stream not yet taken by a worker."""
+    """Entries in the pool's stream no worker has taken yet. Workers delete entries only when
+    done, so from XLEN that is ``XLEN - sum(running + waiting)``; adding what this gateway
+    admitted since its last read keeps a burst from being judged on a stale, empty queue."""
     workers: Sequence[WorkerLoad]
 
 

@@ -96,6 +96,14 @@ async def test_every_key_expires(client: aioredis.Redis) -> None:
         assert 0 < ttl <= 1001
 
 
+async def test_survives_a_script_cache_flush(client: aioredis.Redis) -> None:
+    rl = RateLimiter(client)
+    assert (await rl.check("k", rpm=2, tpm=0, tokens=1)).allowed
+    await client.script_flush()  # what a Redis restart or failover does to the cache
+    assert (await rl.check("k", rpm=2, tpm=0, tokens=1)).allowed
+    assert not (await rl.check("k", rpm=2, tpm=0, tokens=1)).allowed
+
+
 async def test_two_gateways_share_the_limit(redis_url: str) -> None:
     """Two connection pools stand for two gateway processes hammering the same key."""
     gateways = [

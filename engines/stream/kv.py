@@ -82,7 +82,7 @@ class DecodeBatch:
             width = self.mask.shape[1]
             if length < width:
                 _map(cache, lambda t: F.pad(t, (0, 0, width - length, 0)))
-                row_mask = F.pad(row_mask, (0, width - length))
+                row_mask = F.pad(row_mask, (width - length, 0))
             elif length > width:
                 _map(self.cache, lambda t: F.pad(t, (0, 0, length - width, 0)))
                 self.mask = F.pad(self.mask, (length - width, 0))

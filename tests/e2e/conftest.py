@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from slogate.local_redis import LocalRedis
-from tests.stack import Stack
+from slogate.processes import Stack
 
 FAST_FLEET = {
     "SLOGATE_HEARTBEAT_INTERVAL_S": "0.2",

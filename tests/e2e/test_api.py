@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import MODEL
-from tests.stack import Stack
+from slogate.processes import Stack
 
 CHAT = {"model": MODEL, "messages": [{"role": "system", "content": "score it"},
                                      {"role": "user", "content": "txn 1: 10 EUR"}], "max_tokens": 6}

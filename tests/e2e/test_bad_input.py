@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from tests.e2e.conftest import MODEL
-from tests.stack import Stack
+from slogate.processes import Stack
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

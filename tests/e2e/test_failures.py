@@ -17,7 +17,7 @@ from slogate import protocol
 from slogate.local_redis import LocalRedis
 from tests.e2e.conftest import MODEL, start_stack
 from tests.e2e.test_api import sse_events
-from tests.stack import Stack
+from slogate.processes import Stack
 
 STEP_S = 0.02
 

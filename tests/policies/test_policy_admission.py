@@ -105,10 +105,11 @@ def test_batch_is_not_held_when_it_shares_nothing_with_interactive() -> None:
 def test_batch_is_shed_only_when_its_queue_is_full() -> None:
     ctl = AdmissionController(CFG)
     assert ask(ctl, signals(b_depth=999), cls="batch", max_tokens=2000).admitted
-    d = ask(ctl, signals(b_depth=1000), cls="batch", max_tokens=2000)
+    assert not ask(ctl, signals(b_depth=1000), cls="batch", max_tokens=2000).admitted
+    d = ask(ctl, signals(b_depth=1009), cls="batch", max_tokens=2000)
     assert (d.outcome, d.reason, d.status, d.pool) == ("shed", "batch-queue-full", 429, "batch")
-    # One entry over: the time one slot of 64 takes to free, (256 x 0.0001 + 64 x 0.03) / 64 s.
-    assert d.retry_after_s == pytest.approx((256 * 0.0001 + 64 * 0.03) / 64, abs=1e-3)
+    # Ten entries over: the time ten of 64 slots take to free, at (256 x 0.0001 + 64 x 0.03) s each.
+    assert d.retry_after_s == pytest.approx(10 * (256 * 0.0001 + 64 * 0.03) / 64, abs=1e-3)
     further = ask(ctl, signals(b_depth=1100), cls="batch", max_tokens=2000)
     assert further.retry_after_s > d.retry_after_s
 

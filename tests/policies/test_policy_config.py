@@ -52,6 +52,11 @@ def test_bad_values_name_the_key(data: dict, names: str) -> None:
         load(data)
 
 
+def test_a_section_that_is_not_a_mapping_is_named() -> None:
+    with pytest.raises(PolicyConfigError, match=r"^policies: Expected `object`, got `array`"):
+        load([1, 2])  # type: ignore[arg-type]
+
+
 def test_root_name_follows_the_callers_file() -> None:
     with pytest.raises(PolicyConfigError, match=r"^slo\.admission\.margin"):
         load({"admission": {"margin": 0}}, root="slo")

@@ -1,18 +1,18 @@
-"""Real gateway and worker processes for end-to-end tests."""
+"""Gateway and worker child processes on one machine: the end-to-end tests and the
+benchmarks drive real processes through this, exactly as they run in production."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import json
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from slogate.local_redis import free_port
 
@@ -35,7 +35,6 @@ class Stack:
     env_overrides: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    logs: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
 
     @property
     def url(self) -> str:

@@ -1,0 +1,76 @@
+"""The financial-risk mix as a locust scenario.
+
+Many short interactive risk-score calls (not streamed, max_tokens <= 8) and a trickle of long
+batch credit reports (streamed, max_tokens >= 256), replayed from the standard workload file
+so that runs on different days are comparable. See loadtests/README.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+from locust import FastHttpUser, between, events, task
+
+WORKLOAD = Path(os.environ.get(
+    "SLOGATE_WORKLOAD", Path(__file__).resolve().parents[2] / "shared" / "workloads" / "risk-mix.jsonl"))
+MODEL = os.environ.get("SLOGATE_MODEL_NAME", "slogate-sim")
+
+
+def _load(path: Path) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    scores = [r["body"] for r in rows if r["class_hint"] == "interactive" and not r["body"].get("stream")]
+    reports = [r["body"] for r in rows if r["class_hint"] == "batch"]
+    return scores, reports
+
+
+SCORES, REPORTS = _load(WORKLOAD)
+_score_iter = itertools.cycle(SCORES)
+_report_iter = itertools.cycle(REPORTS)
+
+
+class RiskScorer(FastHttpUser):
+    """A payment system scoring transactions: short, latency-bound, not streamed."""
+
+    weight = 20
+    wait_time = between(0.0, 0.05)
+
+    @task
+    def score(self) -> None:
+        body = {**next(_score_iter), "model": MODEL}
+        with self.client.post("/v1/chat/completions", json=body, name="risk-score",
+                              catch_response=True) as resp:
+            if resp.status_code == 429:
+                resp.success()
+                events.request.fire(request_type="SHED", name="risk-score", response_time=0,
+                                    response_length=0, exception=None, context={})
+            elif resp.status_code != 200:
+                resp.failure(f"{resp.status_code}: {resp.text[:200]}")
+
+
+class ReportWriter(FastHttpUser):
+    """An analyst job writing counterparty credit reports: long, streamed, throughput-bound."""
+
+    weight = 1
+    wait_time = between(1.0, 3.0)
+
+    @task
+    def report(self) -> None:
+        body = {**next(_report_iter), "model": MODEL, "stream": True}
+        start = time.perf_counter()
+        first = None
+        with self.client.post("/v1/chat/completions", json=body, name="credit-report", stream=True,
+                              catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"{resp.status_code}")
+                return
+            for line in resp.iter_lines() if hasattr(resp, "iter_lines") else resp.text.splitlines():
+                if first is None and line and b'"content"' in (line if isinstance(line, bytes) else line.encode()):
+                    first = time.perf_counter()
+        if first is not None:
+            events.request.fire(request_type="TTFT", name="credit-report",
+                                response_time=(first - start) * 1000, response_length=0,
+                                exception=None, context={})
