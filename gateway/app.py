@@ -22,6 +22,9 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.results import ResultMux
 from gateway.state import STATE, GatewayState
+from policies.admission import AdmissionController
+from gateway.auth import KeyStore
+from gateway.ratelimit import RateLimiter
 from gateway.workers import WorkerDirectory
 from slogate.config import Config
 
@@ -129,8 +132,13 @@ def _resources(cfg: Config):
         reader = aioredis.Redis.from_url(url, single_connection_client=True,
                                          socket_connect_timeout=2, socket_timeout=None)
         batcher = CommandBatcher(commands)
-        state = GatewayState(cfg, commands, batcher, ResultMux(reader, batcher),
-                             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics())
+        state = GatewayState(
+            cfg, commands, batcher, ResultMux(reader, batcher),
+            WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics(),
+            AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands))
+        if not state.keys.enabled:
+            log.warning("authentication is OFF: anyone who reaches this port can use it; "
+                        "configure api_keys for anything but local use")
         app[STATE] = state
         await state.directory.refresh()
         tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run())]

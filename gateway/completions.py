@@ -12,10 +12,14 @@ from redis.exceptions import RedisError
 
 from gateway import openai_shapes as shapes
 from gateway import schema
+from gateway.admit import admit, estimate_prompt_tokens, retry_headers
+from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.relay import Relay, SplicedOutput
 from gateway.results import Subscription
 from gateway.state import STATE, GatewayState
+from policies.admission import deadline_for
+from policies.classify import UnknownClass, classify
 from slogate import keys, protocol
 from slogate.protocol import Delta, Error, Final, GenerateRequest
 
@@ -34,10 +38,12 @@ class _Job:
     arrived: float
     headers: dict[str, str]
     first_token_at: float = 0.0
-    completion_tokens: int = 0
-    outcome: str = "error"
+    outcome: str = "cancelled"
     worker_done: bool = False
     """A final or error record came: nothing is left to cancel."""
+    final: Final | None = None
+    status: int = 0
+    """The HTTP status of a failed request: 5xx and 504 count against the pool's breaker."""
 
     @property
     def labels(self) -> tuple[str, str, str]:
@@ -63,16 +69,17 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
                        "request_too_large") from None
 
 
-def _deadline(request: web.Request, now: float, default_s: float) -> float:
+def _deadline(request: web.Request, now: float, cls: str, state: GatewayState) -> float:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
-        return now + default_s
+        return deadline_for(cls, now, state.cfg.policies)
+    limit = state.cfg.max_timeout_s
     try:
         timeout = float(raw)
     except ValueError:
         timeout = -1.0
-    if not 0 < timeout <= default_s:
-        raise bad_request(f"header {TIMEOUT_HEADER} must be a number of seconds in (0, {default_s:g}]",
+    if not 0 < timeout <= limit:
+        raise bad_request(f"header {TIMEOUT_HEADER} must be a number of seconds in (0, {limit:g}]",
                           TIMEOUT_HEADER)
     return now + timeout
 
@@ -82,17 +89,25 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down")
     arrived = time.time()
+    caller = state.keys.authenticate(request.headers.get("Authorization"))
     body = await _read_body(request, state.cfg.max_body_bytes)
     parsed = schema.parse(kind, body, state.cfg.default_max_tokens)
-    deadline = _deadline(request, arrived, state.cfg.request_timeout_s)
-    pool, cls, reason = _route(state, parsed, request.headers.get(CLASS_HEADER))
+    state.keys.check_model(caller, parsed.model)
+    _check_model(state, parsed)
+    cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
+    deadline = _deadline(request, arrived, cls, state)
+    if state.keys.enabled:
+        await _rate_limit(state, caller, parsed)
+    decision = await admit(state, parsed, cls, deadline)
+    pool = decision.pool
 
     request_id = uuid.uuid4().hex
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=arrived, prompt=parsed.prompt, messages=parsed.messages,
         stream=parsed.stream)
-    headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool}
+    headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
+               "x-slogate-admission": decision.reason}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id), arrived, headers)
     state.in_flight += 1
     state.metrics.in_flight.inc()
@@ -114,11 +129,12 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         _observe(job)
 
 
-def _route(state: GatewayState, parsed: schema.ParsedRequest, header_class: str | None) -> tuple[str, str, str]:
+def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:
     view = state.directory.view
     if not view.heartbeats:
         raise APIError(503, "no live worker is serving any model; start a worker "
-                            "(slogate worker --pool NAME)", None, "no_live_worker")
+                            "(slogate worker --pool NAME)", None, "no_live_worker",
+                       retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
     model = view.models().get(parsed.model)
     if model is None:
         served = ", ".join(sorted(view.models())) or "none"
@@ -127,18 +143,34 @@ def _route(state: GatewayState, parsed: schema.ParsedRequest, header_class: str 
     if parsed.sampling.max_tokens >= model.max_context:
         raise bad_request(f"max_tokens ({parsed.sampling.max_tokens}) must be below the model's "
                           f"context length ({model.max_context})", "max_tokens", "context_length_exceeded")
-    if header_class not in (None, "interactive", "batch"):
-        raise bad_request(f"header {CLASS_HEADER} must be 'interactive' or 'batch'", CLASS_HEADER)
-    if header_class:
-        cls, reason = header_class, "header"
-    elif parsed.stream or parsed.sampling.max_tokens <= 64:
-        cls, reason = "interactive", "heuristic"
-    else:
-        cls, reason = "batch", "heuristic"
 
-    pools = view.pools_serving(parsed.model)
-    pool = cls if cls in pools else pools[0]
-    return pool, cls, reason
+
+def _classify(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller,
+              header_class: str | None) -> tuple[str, str]:
+    rules = state.cfg.policies.classification
+    try:
+        return classify(header_class, rules.key_classes.get(caller.key_id), rules.model_routes.get(parsed.model),
+                        parsed.stream, parsed.sampling.max_tokens if parsed.max_tokens_given else None,
+                        parsed.prompt_chars, state.cfg.policies)
+    except UnknownClass as exc:
+        raise bad_request(str(exc), CLASS_HEADER) from None
+
+
+async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.ParsedRequest) -> None:
+    rpm, tpm = state.cfg.policies.rate_limits.for_key(caller.key_id)
+    tokens = estimate_prompt_tokens(parsed) + parsed.sampling.max_tokens
+    try:
+        verdict = await state.limiter.check(caller.key_id, rpm, tpm, tokens)
+    except (RedisError, OSError) as exc:
+        raise APIError(503, f"cannot check rate limits: Redis is unavailable ({exc})", None,
+                       "redis_unavailable") from None
+    if verdict.allowed:
+        return
+    what = {"rpm": f"{rpm} requests per minute", "tpm": f"{tpm} tokens per minute",
+            "tokens-over-tpm": f"{tpm} tokens per minute (this request alone needs {tokens})"}
+    raise APIError(429, f"rate limit of {what.get(verdict.reason, verdict.reason)} exceeded for key "
+                        f"'{caller.key_id}'", None, "rate_limit_exceeded",
+                   {"x-slogate-reason": f"rate-limit:{verdict.reason}", **retry_headers(verdict.retry_after_s)})
 
 
 async def _records(job: _Job, relay: Relay):
@@ -150,6 +182,7 @@ async def _records(job: _Job, relay: Relay):
                 try:
                     text = relay.accept(rec)
                 except SplicedOutput as exc:
+                    job.outcome, job.status = "worker_failed", 502
                     raise APIError(502, str(exc), None, "worker_failed") from None
                 if isinstance(rec, Delta):
                     if text is None:
@@ -162,7 +195,7 @@ async def _records(job: _Job, relay: Relay):
                 if not isinstance(rec, Delta):
                     return
     except TimeoutError:
-        job.outcome = "deadline"
+        job.outcome, job.status = "deadline", 504
         raise APIError(504, "the request did not finish before its deadline", None,
                        "deadline_exceeded") from None
 
@@ -170,20 +203,18 @@ async def _records(job: _Job, relay: Relay):
 def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
     job.worker_done = True
     if isinstance(rec, Error):
-        job.outcome = rec.code
+        job.outcome, job.status = rec.code, rec.status
         return APIError(rec.status, rec.message, None, rec.code)
     if rec.finish_reason == "deadline":
-        job.outcome = "deadline"
+        job.outcome, job.status = "deadline", 504
         return APIError(504, "the request did not finish before its deadline", None, "deadline_exceeded")
     if rec.finish_reason in ("cancelled", "error"):
-        job.outcome = rec.finish_reason
+        job.outcome, job.status = rec.finish_reason, 502
         return APIError(502, f"the worker ended the request ({rec.finish_reason})", None, "worker_failed")
     job.outcome = rec.finish_reason
-    job.completion_tokens = rec.completion_tokens
+    job.final = rec
     if not job.parsed.stream:
         job.first_token_at = job.gen.enqueued_at + rec.ttft_s
-    job.state.metrics.queue_wait.labels(*job.labels).observe(rec.queue_wait_s)
-    job.state.metrics.prompt_tokens.labels(*job.labels).inc(rec.prompt_tokens)
     return None
 
 
@@ -231,15 +262,27 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
 
 
 def _observe(job: _Job) -> None:
+    """Metrics for every request; for finished ones, teach the admission controller what
+    they cost; for ones the pool failed, count it against the pool's breaker."""
     m = job.state.metrics
     labels = job.labels
     m.requests.labels(*labels, job.outcome).inc()
-    if job.outcome not in ("stop", "length"):
-        return
     end = time.time()
-    m.e2e.labels(*labels).observe(end - job.arrived)
+    rec = job.final
+    if rec is None:
+        if job.status >= 500:
+            job.state.admission.observe_failure(job.gen.pool, end)
+        return
+    e2e = end - job.arrived
+    m.e2e.labels(*labels).observe(e2e)
+    m.queue_wait.labels(*labels).observe(rec.queue_wait_s)
+    m.prompt_tokens.labels(*labels).inc(rec.prompt_tokens)
+    m.generation_tokens.labels(*labels).inc(rec.completion_tokens)
     if job.first_token_at:
         m.ttft.labels(*labels).observe(job.first_token_at - job.arrived)
-        if job.completion_tokens > 1:
-            m.tpot.labels(*labels).observe((end - job.first_token_at) / (job.completion_tokens - 1))
-    m.generation_tokens.labels(*labels).inc(job.completion_tokens)
+        if rec.completion_tokens > 1:
+            m.tpot.labels(*labels).observe((end - job.first_token_at) / (rec.completion_tokens - 1))
+    job.state.admission.observe(
+        pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
+        completion_tokens=rec.completion_tokens, queue_wait_s=rec.queue_wait_s,
+        ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end)

@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import RateLimiter
 from gateway.results import ResultMux
 from gateway.workers import WorkerDirectory
+from policies.admission import AdmissionController
 from slogate import keys
 from slogate.config import Config
 
@@ -24,6 +27,9 @@ class GatewayState:
     mux: ResultMux
     directory: WorkerDirectory
     metrics: GatewayMetrics
+    admission: AdmissionController
+    keys: KeyStore
+    limiter: RateLimiter
     draining: bool = False
     in_flight: int = 0
     started_at: float = field(default_factory=time.time)

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from slogate import keys, protocol
+from policies.predict import PoolSignals
 from slogate.protocol import Heartbeat, ModelInfo
 
 log = logging.getLogger("slogate.gateway")
@@ -54,6 +55,7 @@ class WorkerDirectory:
         self.view = FleetView()
         self.redis_ok = False
         self.refreshed_at = 0.0
+        self._enqueued: dict[str, int] = {}
 
     async def refresh(self) -> None:
         try:
@@ -78,8 +80,23 @@ class WorkerDirectory:
             self.redis_ok = False
             return
         self.view = FleetView(heartbeats, dict(zip(pools, depths)))
+        self._enqueued = {}
         self.redis_ok = True
         self.refreshed_at = time.monotonic()
+
+    def note_enqueued(self, pool: str) -> None:
+        self._enqueued[pool] = self._enqueued.get(pool, 0) + 1
+
+    def signals(self) -> dict[str, PoolSignals]:
+        """Each pool's backlog that no worker has taken yet, plus what this gateway queued since
+        the last read: a burst is judged on the queue it builds, not on a stale, empty one."""
+        out = {}
+        pools = self.view.pools()
+        for pool, depth in self.view.queue_depth.items():
+            workers = pools.get(pool, [])
+            held = sum(hb.running + hb.waiting for hb in workers)
+            out[pool] = PoolSignals(pool, max(depth - held, 0) + self._enqueued.get(pool, 0), workers)
+        return out
 
     async def run(self) -> None:
         while True:

@@ -13,9 +13,24 @@ from typing import Any
 import msgspec
 import yaml
 
+from policies.config import PolicyConfig
+
 
 class ConfigError(ValueError):
     pass
+
+
+class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    """A name for logs, metrics, audit and rate limits: never the secret."""
+    sha256: str
+    """Hex SHA-256 of the secret (``slogate hash-key``); the secret itself is never stored."""
+    models: list[str] = []
+    """Models this key may use; empty means all."""
+
+    def __post_init__(self) -> None:
+        if len(self.sha256) != 64 or any(c not in "0123456789abcdef" for c in self.sha256.lower()):
+            raise ValueError(f"api key {self.id!r}: sha256 must be 64 hex digits")
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -39,11 +54,17 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     """Local directory or hub id served by the real engines; unset builds the tiny model."""
     pools: dict[str, PoolConfig] = msgspec.field(default_factory=_default_pools)
+    api_keys: list[ApiKeyConfig] = []
+    """Empty: no authentication (local use; the gateway warns at start)."""
+    policies: PolicyConfig = msgspec.field(default_factory=PolicyConfig)
+    admission_control: bool = True
+    """Off: every request is queued (for measuring what admission control buys)."""
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
     """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
-    request_timeout_s: float = 300.0
-    """Deadline of a request that brings none of its own (``x-slogate-timeout`` header)."""
+    max_timeout_s: float = 3600.0
+    """Largest deadline a client may ask for with ``x-slogate-timeout``; without the header a
+    request gets its class's deadline from the policies."""
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     claim_idle_s: float = 15.0
@@ -57,7 +78,15 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     log_level: str = "INFO"
 
 
-_COERCE = {int: int, float: float, str: str}
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+_COERCE = {int: int, float: float, str: str, bool: _bool}
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
@@ -95,7 +124,7 @@ def _scalar_fields() -> dict[str, type]:
     fields = {}
     for f in msgspec.structs.fields(Config):
         base = f.type
-        if base in (int, float, str) or base == (str | None):
+        if base in (int, float, str, bool) or base == (str | None):
             fields[f.name] = str if base == (str | None) else base
     return fields
 
@@ -122,7 +151,7 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 
 def _check_ranges(cfg: Config) -> None:
-    positive = ["port", "max_body_bytes", "default_max_tokens", "request_timeout_s", "heartbeat_interval_s",
+    positive = ["port", "max_body_bytes", "default_max_tokens", "max_timeout_s", "heartbeat_interval_s",
                 "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:

@@ -11,9 +11,9 @@ def test_defaults() -> None:
 
 def test_yaml_then_env_then_overrides(tmp_path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("port: 9000\nrequest_timeout_s: 5\npools:\n  fast: {engine: sim, workers: 2}\n")
-    cfg = load_config(path, env={"SLOGATE_REQUEST_TIMEOUT_S": "7.5"}, overrides={"port": 9100})
-    assert cfg.port == 9100 and cfg.request_timeout_s == 7.5
+    path.write_text("port: 9000\nmax_timeout_s: 5\npools:\n  fast: {engine: sim, workers: 2}\n")
+    cfg = load_config(path, env={"SLOGATE_MAX_TIMEOUT_S": "7.5"}, overrides={"port": 9100})
+    assert cfg.port == 9100 and cfg.max_timeout_s == 7.5
     assert cfg.pools["fast"].workers == 2
 
 

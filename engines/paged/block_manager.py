@@ -11,6 +11,7 @@ memory of its own: it is whatever the free blocks still hold.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engines.paged.sequence import Sequence
@@ -36,8 +37,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks))
-        """Free block ids, least recently freed first: a dict is an ordered set with O(1) removal."""
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        """Free block ids, least recently freed first, with O(1) removal from anywhere (a plain
+        dict would slow down as its front fills with deleted entries)."""
         self._by_hash: dict[int, int] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
@@ -123,8 +125,7 @@ class BlockManager:
         return len(seq.block_table) * self.block_size < len(seq)
 
     def _take_free_block(self) -> int:
-        block_id = next(iter(self._free))
-        del self._free[block_id]
+        block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None and self._by_hash.get(block.hash) == block_id:
             del self._by_hash[block.hash]

@@ -27,7 +27,7 @@ class EdfQueue:
         return request_id in self._live
 
     def push(self, request_id: str, deadline: float) -> None:
-        heapq.heappush(self._heap, (0, next(self._order), request_id))
+        heapq.heappush(self._heap, (deadline, next(self._order), request_id))
         self._live.add(request_id)
 
     def remove(self, request_id: str) -> None:

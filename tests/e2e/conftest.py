@@ -17,11 +17,12 @@ FAST_FLEET = {
 MODEL = "slogate-sim"
 
 
-def start_stack(server: LocalRedis, decode_base_s: float, workers_per_pool: int = 1) -> Stack:
+def start_stack(server: LocalRedis, decode_base_s: float, workers_per_pool: int = 1,
+                **env: str) -> Stack:
     client = redis.Redis.from_url(server.url)
     client.flushdb()
     client.close()
-    stack = Stack(server.url, dict(FAST_FLEET))
+    stack = Stack(server.url, {**FAST_FLEET, **env})
     stack.gateway()
     for pool in ("interactive", "batch"):
         for _ in range(workers_per_pool):

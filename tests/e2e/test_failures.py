@@ -24,8 +24,10 @@ STEP_S = 0.02
 
 @pytest.fixture(scope="module")
 def slow_stack(redis_server: LocalRedis) -> Iterator[Stack]:
-    """Two sim workers per pool at 50 tokens/s each, so requests last long enough to hurt."""
-    s = start_stack(redis_server, decode_base_s=STEP_S, workers_per_pool=2)
+    """Two sim workers per pool at 50 tokens/s each, so requests last long enough to hurt.
+    Admission control is off: these tests are about what happens once a request is queued."""
+    s = start_stack(redis_server, decode_base_s=STEP_S, workers_per_pool=2,
+                    SLOGATE_ADMISSION_CONTROL="0")
     yield s
     s.stop()
 

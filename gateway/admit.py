@@ -1,0 +1,93 @@
+"""The gateway side of the SLO policies: feed them live numbers, act on their decisions.
+
+The decisions themselves live in ``policies/`` (pure, microseconds); this module only turns
+the fleet view into their inputs and their outcomes into HTTP answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from gateway.errors import APIError
+from gateway.schema import ParsedRequest
+from gateway.state import GatewayState
+from policies.admission import Decision
+
+CHARS_PER_TOKEN = 4
+
+
+def estimate_prompt_tokens(parsed: ParsedRequest) -> int:
+    """The gateway has no tokenizer (it must stay light); four characters a token is what
+    admission and rate limits need, and the worker reports the exact count afterwards."""
+    overhead = 4 * len(parsed.messages) if parsed.messages is not None else 0
+    return max(1, math.ceil(parsed.prompt_chars / CHARS_PER_TOKEN) + overhead)
+
+
+def retry_headers(seconds: float) -> dict[str, str]:
+    """``Retry-After`` allows whole seconds only; ``retry-after-ms`` (read by the OpenAI SDKs)
+    carries the real figure."""
+    return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
+
+
+async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: float) -> Decision:
+    """Pick the pool for a request, or raise the 429/503/504 that says why it cannot go.
+
+    A batch request told to wait (interactive load is high on a pool it would share) is held
+    here, before it costs any engine work, and asked about again until it may go or its
+    deadline passes.
+    """
+    if not state.cfg.admission_control:
+        return _fixed_route(state, parsed, cls)
+    ctl = state.admission
+    prompt_tokens = estimate_prompt_tokens(parsed)
+    max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
+    while True:
+        now = time.time()
+        decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
+                              max_tokens=max_tokens, signals=state.directory.signals(), now=now,
+                              model=parsed.model, deadline=deadline if cls == "batch" else None)
+        state.metrics.admission.labels(cls, decision.outcome, decision.reason).inc()
+        if decision.outcome == "wait" and now + decision.retry_after_s < deadline:
+            await asyncio.sleep(decision.retry_after_s)
+            continue
+        if decision.admitted:
+            state.directory.note_enqueued(decision.pool)
+            return decision
+        raise _refusal(state, cls, decision)
+
+
+def _refusal(state: GatewayState, cls: str, d: Decision) -> APIError:
+    headers = {"x-slogate-class": cls, "x-slogate-reason": d.reason}
+    predicted = f"{d.predicted_s * 1000:.0f} ms" if d.predicted_s is not None else "unknown"
+    if d.outcome == "expired":
+        return APIError(504, "the request's deadline passed while batch work was held back", None,
+                        "deadline_exceeded", headers)
+    headers.update(retry_headers(d.retry_after_s))
+    if d.outcome == "unavailable":
+        what = ("its pool keeps failing and is paused" if d.reason == "circuit-open"
+                else "no live worker can serve it")
+        return APIError(503, f"{cls} request refused: {what}; retry after {d.retry_after_s:g} s", None,
+                        d.reason.replace("-", "_"), headers)
+    objective = state.admission.objective(False) * 1000
+    messages = {
+        "overloaded": f"{cls} capacity is full: predicted latency {predicted} would miss the "
+                      f"{objective:.0f} ms objective; retry after {d.retry_after_s:g} s",
+        "exceeds-objective": f"this request alone is predicted to take {predicted}, beyond the "
+                             f"{objective:.0f} ms interactive objective; send it as batch "
+                             f"(x-slogate-class: batch) or ask for fewer tokens",
+        "batch-queue-full": f"the batch queue is full; retry after {d.retry_after_s:g} s",
+        "cannot-meet-deadline": f"predicted completion ({predicted}) falls after the request's deadline",
+        "interactive-busy": "interactive load kept batch work held back until its deadline",
+    }
+    return APIError(429, messages.get(d.reason, f"request shed ({d.reason})"), None, d.reason.replace("-", "_"),
+                    headers)
+
+
+def _fixed_route(state: GatewayState, parsed: ParsedRequest, cls: str) -> Decision:
+    serving = set(state.directory.view.pools_serving(parsed.model))
+    for pool in state.cfg.policies.routing.pools[cls]:
+        if pool in serving:
+            return Decision("admit", "admission-off", 200, pool=pool)
+    return Decision("admit", "admission-off", 200, pool=sorted(serving)[0])
