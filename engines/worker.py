@@ -97,11 +97,17 @@ class Worker:
         self._wake.set()
 
     async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.queue, keys.GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
+        while True:
+            try:
+                await self.redis.xgroup_create(self.queue, keys.GROUP, id="0", mkstream=True)
+                return
+            except ResponseError as exc:
+                if "BUSYGROUP" in str(exc):
+                    return
                 raise
+            except (RedisError, OSError) as exc:
+                log.warning("cannot reach Redis to join %s (%s); retrying", self.queue, exc)
+                await asyncio.sleep(0.5)
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -118,6 +124,12 @@ class Worker:
             try:
                 resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
                                                    count=room, block=500)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("%s lost its consumer group (Redis restarted empty?); recreating it", self.queue)
+                await self._ensure_group()
+                continue
             except (RedisError, OSError) as exc:
                 log.warning("reading %s failed (%s); retrying", self.queue, exc)
                 await asyncio.sleep(0.5)
@@ -337,7 +349,8 @@ class Worker:
                 if self._room():
                     await self._claim_orphans(idle_ms)
             except (RedisError, OSError) as exc:
-                log.warning("claim pass failed: %s", exc)
+                if "NOGROUP" not in str(exc):
+                    log.warning("claim pass failed: %s", exc)
 
     async def _refresh_own(self) -> None:
         """Reset the idle time of what this worker holds, so nobody claims a live request."""

@@ -66,6 +66,13 @@ def cmd_tiny_model(args: argparse.Namespace, cfg: Config) -> None:
     print(path)
 
 
+def cmd_hash_key(args: argparse.Namespace, cfg: Config) -> None:
+    from gateway.auth import hash_key
+
+    secret = args.secret if args.secret is not None else sys.stdin.readline().rstrip("\n")
+    print(hash_key(secret))
+
+
 def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
     from slogate.up import run_up
 
@@ -100,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)
+
+    hk = sub.add_parser("hash-key", help="print the sha256 of an API key for the api_keys config")
+    hk.add_argument("secret", nargs="?", help="the key (default: read one line from stdin)")
+    hk.set_defaults(func=cmd_hash_key)
 
     tm = sub.add_parser("tiny-model", help="build the small local test model (no download)")
     tm.add_argument("dir")

@@ -2,10 +2,16 @@
 
 The model runs with every scheduled token flattened into one batch row. Each layer hands its
 new keys and values to :func:`paged_attention`, which writes them into the block pool at the
-step's slot mapping and then attends each sequence over its own blocks: all one-token queries
-(decodes) in one batched call over their gathered, padded contexts, and each multi-token
-prefill chunk in its own causal call. The metadata arrives through the model's forward
-kwargs, so transformers' model definitions are used unchanged.
+step's slot mapping and then attends each sequence over its own blocks. One-token queries
+(decodes) run batched, in groups of similar context length so that padding stays small; each
+multi-token prefill chunk runs in its own causal call. The metadata arrives through the
+model's forward kwargs, so transformers' model definitions are used unchanged.
+
+The pool is laid out [kv_heads, slots, head_dim] per layer: the step's keys arrive in that
+layout (no transpose to store them), and one ``index_select`` gathers a group's contexts
+straight into the [seqs, kv_heads, context, head_dim] shape attention wants. Decodes fold the
+query heads that share a key-value head into the query dimension, so grouped-query attention
+never copies keys per query head.
 """
 
 from __future__ import annotations
@@ -21,26 +27,33 @@ ATTN_IMPLEMENTATION = "slogate_paged"
 
 
 @dataclass
+class DecodeGroup:
+    start: int
+    end: int
+    gather: torch.Tensor
+    """Flat rows of the layer's pool viewed as [kv_heads * slots, head_dim], in
+    [seqs, kv_heads, width] order."""
+    width: int
+    mask: torch.Tensor
+    """[seqs, 1, 1, width], True where the padded context is real."""
+
+
+@dataclass
 class PrefillSpan:
     start: int
     end: int
-    context_slots: torch.Tensor | None
-    """Cache slots of the whole context when part of it was computed earlier; None when the
-    chunk is the whole context so far (attend over the fresh keys directly)."""
+    gather: torch.Tensor | None
+    """Flat pool rows of the whole context, [kv_heads, context] order; None when the chunk is
+    the whole context so far (attend over the fresh keys directly)."""
     mask: torch.Tensor | None
 
 
 @dataclass
 class PagedMetadata:
     kv_cache: torch.Tensor
-    """[2, layers, slots, kv_heads, head_dim]"""
+    """[2, layers, kv_heads, slots, head_dim]"""
     slot_mapping: torch.Tensor
-    num_decodes: int
-    """The first ``num_decodes`` tokens are one-token queries."""
-    decode_slots: torch.Tensor | None
-    """[num_decodes, max_context] cache slots of each decode's context, padded."""
-    decode_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, max_context] True where the padded context is real."""
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -59,28 +72,29 @@ def paged_attention(
         raise RuntimeError("a model set to paged attention runs only through the paged model runner")
     k_cache = meta.kv_cache[0, module.layer_idx]
     v_cache = meta.kv_cache[1, module.layer_idx]
-    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
-    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
-    gqa = query.shape[1] != key.shape[1]
-    q = query[0]
-    out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])
-    b = meta.num_decodes
-    if b:
-        k = k_cache[meta.decode_slots].transpose(1, 2)
-        v = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q[:, :b].transpose(0, 1).unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=gqa
-        )
-        out[:b] = o.squeeze(2)
+    k_cache.index_copy_(1, meta.slot_mapping, key[0])
+    v_cache.index_copy_(1, meta.slot_mapping, value[0])
+    kv_heads, _, head_dim = k_cache.shape
+    k_flat, v_flat = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
+    heads = query.shape[1]
+    q = query[0].transpose(0, 1)
+    out = query.new_empty(q.shape)
+    for g in meta.decodes:
+        n = g.end - g.start
+        k = k_flat.index_select(0, g.gather).view(n, kv_heads, g.width, head_dim)
+        v = v_flat.index_select(0, g.gather).view(n, kv_heads, g.width, head_dim)
+        qg = q[g.start : g.end].reshape(n, kv_heads, heads // kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scaling)
+        out[g.start : g.end] = o.view(n, heads, head_dim)
     for span in meta.prefills:
-        qp = q[:, span.start : span.end].unsqueeze(0)
-        if span.context_slots is None:
+        qp = query[:, :, span.start : span.end]
+        if span.gather is None:
             kp, vp = key[:, :, span.start : span.end], value[:, :, span.start : span.end]
         else:
-            kp = k_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
-            vp = v_cache[span.context_slots].transpose(0, 1).unsqueeze(0)
+            kp = k_flat.index_select(0, span.gather).view(1, kv_heads, -1, head_dim)
+            vp = v_flat.index_select(0, span.gather).view(1, kv_heads, -1, head_dim)
         o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=gqa
+            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=heads != kv_heads
         )
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None

@@ -1,11 +1,12 @@
 """Turns a schedule into tensors (token ids, positions, slot mapping, block tables) and runs
 the model over the paged KV cache.
 
-The cache is one preallocated tensor, [2, layers, slots, kv_heads, head_dim], where slot
+The cache is one preallocated tensor, [2, layers, kv_heads, slots, head_dim], where slot
 ``block * block_size + offset`` holds one token's keys and values. All the step's tokens are
-flattened into one batch row, decodes first, so the model runs once per step whatever mix of
-decodes and prefill chunks the scheduler chose, and only the rows that sample a token reach
-the language-model head.
+flattened into one batch row, decodes first (shortest context first, so that groups of
+similar length pad little), so the model runs once per step whatever mix of decodes and
+prefill chunks the scheduler chose, and only the rows that sample a token reach the
+language-model head.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ import torch
 from transformers import PreTrainedModel
 
 from engines.paged import attention
-from engines.paged.attention import PagedMetadata, PrefillSpan
+from engines.paged.attention import DecodeGroup, PagedMetadata, PrefillSpan
 from engines.paged.scheduler import Schedule
+from engines.paged.sequence import Sequence
+
+GROUP_SPREAD = 1.5
+"""A decode group's longest context is at most this many times its shortest: the padding it
+allows is traded against one more attention call per layer."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class KVShape:
         config = model.config.get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", heads), head_dim)
+        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         item = torch.empty((), dtype=dtype).element_size()
@@ -44,12 +50,15 @@ class ModelRunner:
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.model = model
         self.block_size = block_size
+        self.num_slots = num_blocks * block_size
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         shape = KVShape.of(model)
+        self.kv_heads = shape.kv_heads
         self.kv_cache = torch.zeros(
-            2, shape.layers, num_blocks * block_size, shape.kv_heads, shape.head_dim, dtype=dtype, device=self.device
+            2, shape.layers, shape.kv_heads, self.num_slots, shape.head_dim, dtype=dtype, device=self.device
         )
+        self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * self.num_slots
 
     @torch.inference_mode()
     def run(self, sched: Schedule) -> tuple[list[int], torch.Tensor]:
@@ -63,67 +72,86 @@ class ModelRunner:
             use_cache=False,
             paged=meta,
         )
-        return sampled, out.logits[0] if out.logits.dim() == 3 else out.logits
+        logits = out.logits
+        return sampled, logits[0] if logits.dim() == 3 else logits
 
     def prepare(self, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int], torch.Tensor]:
-        bs = self.block_size
-        order = sorted(range(len(sched.seqs)), key=lambda i: sched.num_new_tokens[i] != 1)
+        seqs, counts = sched.seqs, sched.num_new_tokens
+        decodes = sorted((i for i in range(len(seqs)) if counts[i] == 1), key=lambda i: len(seqs[i]))
+        prefills = [i for i in range(len(seqs)) if counts[i] > 1]
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         last_row: dict[int, int] = {}
-        decodes = [i for i in order if sched.num_new_tokens[i] == 1]
-        prefills: list[PrefillSpan] = []
-        for i in order:
-            seq, n = sched.seqs[i], sched.num_new_tokens[i]
+        spans: list[PrefillSpan] = []
+        for i in decodes + prefills:
+            seq, n = seqs[i], counts[i]
             start = seq.num_computed_tokens
             row = len(ids)
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             last_row[i] = row + n - 1
             if n > 1:
-                prefills.append(self._prefill_span(seq.block_table, row, start, n))
-        decode_slots, decode_mask = self._decode_context([sched.seqs[i] for i in decodes])
+                spans.append(self._prefill_span(seq.block_table, row, start, n))
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        tables = [seqs[i].block_table for i in decodes + prefills]
         meta = PagedMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, device=self.device),
-            num_decodes=len(decodes),
-            decode_slots=decode_slots,
-            decode_mask=decode_mask,
-            prefills=prefills,
+            slot_mapping=self._slot_mapping(tables, [counts[i] for i in decodes + prefills], positions),
+            decodes=self._decode_groups([seqs[i] for i in decodes]),
+            prefills=spans,
         )
-        sampled = [i for i in range(len(sched.seqs)) if sched.samples(i)]
+        sampled = [i for i in range(len(seqs)) if sched.samples(i)]
         rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long, device=self.device)
-        return (
-            torch.tensor(ids, device=self.device),
-            torch.tensor(pos, device=self.device),
-            meta,
-            sampled,
-            rows,
-        )
+        return torch.tensor(ids, dtype=torch.long, device=self.device), positions, meta, sampled, rows
 
-    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slot_mapping(self, tables: list[list[int]], counts: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Cache slot of every token of the step: its sequence's block for its position."""
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
+        owner = torch.repeat_interleave(
+            torch.arange(len(tables), device=self.device), torch.tensor(counts, device=self.device)
+        )
+        return padded[owner, positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _context_slots(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        """[seqs, width] cache slots of each sequence's first ``width`` positions (padding
+        points at slot 0, which masks then hide)."""
+        blocks = -(-width // self.block_size)
+        padded = torch.tensor(
+            [t[:blocks] + [0] * (blocks - len(t[:blocks])) for t in tables], dtype=torch.long, device=self.device
+        )
+        offsets = torch.arange(self.block_size, device=self.device)
+        return (padded.unsqueeze(2) * self.block_size + offsets).view(len(tables), -1)[:, :width]
+
+    def _gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Flat pool rows for ``slots`` [seqs, width], in [seqs, kv_heads, width] order."""
+        return (self._head_offsets.view(1, -1, 1) + slots.unsqueeze(1)).reshape(-1)
 
     def _prefill_span(self, block_table: list[int], row: int, start: int, n: int) -> PrefillSpan:
         if start == 0:
             return PrefillSpan(row, row + n, None, None)
-        context = torch.arange(start + n, device=self.device)
-        table = torch.tensor(block_table, device=self.device)
-        query_pos = context[start:].unsqueeze(1)
-        return PrefillSpan(row, row + n, self._slots(table, context), context.unsqueeze(0) <= query_pos)
+        context = start + n
+        slots = self._context_slots([block_table], context)
+        key_pos = torch.arange(context, device=self.device)
+        mask = key_pos.unsqueeze(0) <= key_pos[start:].unsqueeze(1)
+        return PrefillSpan(row, row + n, self._gather_rows(slots), mask)
 
-    def _decode_context(self, seqs: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Every decode's context as padded slot rows plus a mask of the real ones."""
-        if not seqs:
-            return None, None
-        bs = self.block_size
-        lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs], device=self.device)
-        width = -(-int(lengths.max()) // bs)
-        tables = torch.tensor([s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs], device=self.device)
-        offsets = torch.arange(bs, device=self.device)
-        slots = (tables.unsqueeze(2) * bs + offsets).view(len(seqs), width * bs)
-        mask = torch.arange(width * bs, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
-        return slots, mask.view(len(seqs), 1, 1, width * bs)
+    def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
+        """Decodes (sorted by length) cut into groups of similar context length."""
+        groups = []
+        first = 0
+        while first < len(seqs):
+            last = first + 1
+            limit = GROUP_SPREAD * len(seqs[first]) + self.block_size
+            while last < len(seqs) and len(seqs[last]) <= limit:
+                last += 1
+            groups.append(self._decode_group(seqs[first:last], first))
+            first = last
+        return groups
+
+    def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        width = int(lengths.max())
+        slots = self._context_slots([s.block_table for s in seqs], width)
+        mask = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        return DecodeGroup(start, start + len(seqs), self._gather_rows(slots), width, mask.view(len(seqs), 1, 1, width))

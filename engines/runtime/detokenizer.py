@@ -49,7 +49,7 @@ class IncrementalDecoder:
     def _advance(self, final: bool) -> str:
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or False:
+        if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before) :]

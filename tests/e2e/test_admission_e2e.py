@@ -1,0 +1,61 @@
+"""Admission control through a real gateway in front of a deliberately small pool."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+import redis
+
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack
+from tests.e2e.conftest import FAST_FLEET, MODEL
+from tests.e2e.test_policies_e2e import SCORE, post
+
+
+@pytest.fixture(scope="module")
+def overloaded(redis_server: LocalRedis) -> Iterator[Stack]:
+    """A slow interactive pool (20 ms a step, 4 at a time) with admission control on."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    stack = Stack(redis_server.url, dict(FAST_FLEET))
+    stack.gateway()
+    stack.worker("interactive", "sim", "decode_base_s=0.02", "decode_s_per_seq=0", "max_batch=4")
+    stack.worker("batch", "sim", "decode_base_s=0.02", "decode_s_per_seq=0", "max_batch=4")
+    stack.wait_models(MODEL, pools=2)
+    yield stack
+    stack.stop()
+
+
+async def test_overload_sheds_interactive_with_retry_after(overloaded: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async def one() -> tuple[int, dict, dict]:
+            async with s.post(overloaded.url + "/v1/chat/completions", json=SCORE) as r:
+                return r.status, await r.json(), dict(r.headers)
+
+        results = await asyncio.gather(*(one() for _ in range(80)))
+    shed = [r for r in results if r[0] == 429]
+    served = [r for r in results if r[0] == 200]
+    assert shed, "80 simultaneous requests on 8 slots must shed some"
+    assert served, "admission must still let the capacity it has through"
+    assert len(shed) + len(served) == 80
+    status, body, headers = shed[0]
+    assert headers["x-slogate-reason"] in ("overloaded", "exceeds-objective")
+    assert "Retry-After" in headers and int(headers["retry-after-ms"]) > 0
+    assert "objective" in body["error"]["message"]
+    async with aiohttp.ClientSession() as s:
+        async with s.get(overloaded.url + "/metrics") as r:
+            text = await r.text()
+    assert 'slogate_admission_decisions_total{class="interactive",decision="shed"' in text
+
+
+async def test_too_long_for_the_objective_is_told_to_go_batch(overloaded: Stack) -> None:
+    body = {**SCORE, "max_tokens": 60}
+    status, err, headers = await post(overloaded.url, body, **{"x-slogate-class": "interactive"})
+    assert status == 429 and headers["x-slogate-reason"] == "exceeds-objective"
+    assert "x-slogate-class: batch" in err["error"]["message"]
+    status, _, headers = await post(overloaded.url, body, **{"x-slogate-class": "batch"})
+    assert status == 200 and headers["x-slogate-pool"] == "batch"

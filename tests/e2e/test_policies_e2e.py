@@ -1,0 +1,94 @@
+"""Keys, rate limits, classification and admission through real gateway processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+import yaml
+
+from gateway.auth import hash_key
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack
+from tests.e2e.conftest import FAST_FLEET, MODEL
+
+SCORE = {"model": MODEL, "messages": [{"role": "user", "content": "score txn 7"}], "max_tokens": 4}
+RPM = 30
+
+
+@pytest.fixture(scope="module")
+def guarded(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Stack]]:
+    """Two gateways on one Redis with API keys and a low per-key rate limit."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    config = tmp_path_factory.mktemp("cfg") / "slogate.yaml"
+    config.write_text(yaml.safe_dump({
+        "api_keys": [{"id": "payments", "sha256": hash_key("sk-pay")},
+                     {"id": "analyst", "sha256": hash_key("sk-ana"), "models": ["other-model"]},
+                     {"id": "reports", "sha256": hash_key("sk-rep")}],
+        "policies": {"rate_limits": {"rpm": 0, "tpm": 0, "per_key": {"payments": {"rpm": RPM}}},
+                     "classification": {"key_classes": {"reports": "batch"}}},
+    }))
+    env = {**FAST_FLEET, "SLOGATE_CONFIG": str(config)}
+    stacks = [Stack(redis_server.url, env), Stack(redis_server.url, env)]
+    for s in stacks:
+        s.gateway()
+    stacks[0].worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
+    stacks[0].worker("batch", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
+    for s in stacks:
+        s.wait_models(MODEL, pools=2)
+    yield stacks
+    for s in stacks:
+        s.stop()
+
+
+async def post(url: str, body: dict, key: str | None = None, **headers: str) -> tuple[int, dict, dict]:
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+            return r.status, await r.json(), dict(r.headers)
+
+
+async def test_missing_and_unknown_keys_are_401(guarded: list[Stack]) -> None:
+    status, body, _ = await post(guarded[0].url, SCORE)
+    assert status == 401 and body["error"]["code"] == "missing_api_key"
+    status, body, _ = await post(guarded[0].url, SCORE, key="sk-wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, body, _ = await post(guarded[0].url, SCORE, Authorization="Basic abc")
+    assert status == 401 and "Bearer" in body["error"]["message"]
+
+
+async def test_key_limited_to_other_models_is_403(guarded: list[Stack]) -> None:
+    status, body, _ = await post(guarded[0].url, SCORE, key="sk-ana")
+    assert status == 403 and body["error"]["param"] == "model"
+
+
+async def test_key_default_class_and_reason_headers(guarded: list[Stack]) -> None:
+    status, _, headers = await post(guarded[0].url, SCORE, key="sk-rep")
+    assert status == 200
+    assert headers["x-slogate-class"] == "batch" and headers["x-slogate-reason"] == "key-default"
+    status, _, headers = await post(guarded[0].url, SCORE, key="sk-rep", **{"x-slogate-class": "interactive"})
+    assert headers["x-slogate-class"] == "interactive" and headers["x-slogate-reason"] == "header"
+
+
+async def test_rate_limit_holds_across_two_gateways(guarded: list[Stack]) -> None:
+    async def burst(stack: Stack) -> list[tuple[int, dict, dict]]:
+        return [await post(stack.url, SCORE, key="sk-pay") for _ in range(25)]
+
+    results = [r for rs in await asyncio.gather(*(burst(s) for s in guarded)) for r in rs]
+    ok = [r for r in results if r[0] == 200]
+    limited = [r for r in results if r[0] == 429]
+    assert len(ok) <= RPM, "the two gateways together let more through than the key's limit"
+    assert len(ok) >= RPM - 2, "the limit should allow a whole minute's worth in a burst"
+    assert len(ok) + len(limited) == 50
+    status, body, headers = limited[0]
+    assert body["error"]["code"] == "rate_limit_exceeded" and "payments" in body["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1 and headers["x-slogate-reason"] == "rate-limit:rpm"
+    other = await post(guarded[1].url, SCORE, key="sk-rep")
+    assert other[0] == 200, "another key is not limited by this one"
