@@ -25,7 +25,8 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError, ResponseError
 
 from engines.base import Engine, EngineRequest, StepOutput
-from slogate import keys, protocol
+from engines.metrics import WorkerMetrics
+from slogate import keys, protocol, tracing
 from slogate.config import Config
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
 
@@ -72,6 +73,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.metrics = WorkerMetrics(settings.pool, settings.worker_id, engine.name)
 
     async def run(self) -> None:
         await self._ensure_group()
@@ -147,6 +149,7 @@ class Worker:
                 req = protocol.decode_request(fields[protocol.FIELD])
             except (protocol.ProtocolError, KeyError) as exc:
                 log.error("dropping unreadable entry %s on %s: %s", entry_id, self.queue, exc)
+                self.metrics.dropped.inc()
                 drop.append(entry_id)
                 continue
             attempt = attempts.get(entry_id, 1) if attempts else 1
@@ -176,6 +179,7 @@ class Worker:
         self._wake.set()
 
     async def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
+        self.metrics.finished(err.code)
         async with self.redis.pipeline(transaction=False) as p:
             self._write(p, _InFlight(req, entry_id, attempt, time.time()), err)
             p.xack(self.queue, keys.GROUP, entry_id)
@@ -206,10 +210,12 @@ class Worker:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            started = time.perf_counter()
             if inline:
                 outputs = self.engine.step()
             else:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            self.metrics.step.observe(time.perf_counter() - started)
             if outputs:
                 await self._publish(outputs)
 
@@ -244,6 +250,8 @@ class Worker:
     async def _drop(self, jobs: list[_InFlight], deadline: bool = False) -> None:
         """Settle requests stopped early: acknowledged, and with a result stream only when
         someone may still read it (a deadline), since a cancelling gateway stopped reading."""
+        for _ in jobs:
+            self.metrics.finished("deadline" if deadline else "cancelled")
         try:
             async with self.redis.pipeline(transaction=False) as p:
                 for job in jobs:
@@ -269,6 +277,7 @@ class Worker:
                 if out.error is not None:
                     code = "invalid_request_error" if out.error_status < 500 else "engine_error"
                     self._write(p, job, Error(out.error, code, out.error_status, job.attempt))
+                    self.metrics.finished(code)
                 else:
                     if out.text:
                         job.first_token_at = job.first_token_at or now
@@ -279,6 +288,9 @@ class Worker:
                         job.held = ""
                     if out.finish_reason is None:
                         continue
+                    self.metrics.finished(out.finish_reason)
+                    self.metrics.tokens.inc(out.completion_tokens)
+                    self._trace(job, now, out)
                     self._write(p, job, Final(
                         out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
                         queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
@@ -292,6 +304,18 @@ class Worker:
                 await p.execute()
             except (RedisError, OSError) as exc:
                 log.error("publishing %d outputs failed: %s", len(outputs), exc)
+
+    def _trace(self, job: _InFlight, now: float, out: StepOutput) -> None:
+        """Queue wait, prefill and decode as spans of the gateway's trace."""
+        if not tracing.enabled() or not job.req.trace:
+            return
+        first = job.first_token_at or now
+        attrs = {"slogate.worker": self.s.worker_id, "slogate.pool": self.s.pool}
+        tracing.record("queue_wait", job.req.trace, job.req.enqueued_at, job.received_at, **attrs)
+        tracing.record("prefill", job.req.trace, job.received_at, first,
+                       **attrs, **{"slogate.prompt_tokens": out.prompt_tokens})
+        tracing.record("decode", job.req.trace, first, now,
+                       **attrs, **{"slogate.completion_tokens": out.completion_tokens})
 
     def _write(self, p: aioredis.client.Pipeline, job: _InFlight, msg: Delta | Final | Error) -> None:
         """Append to the request's result stream; its first write also sets the stream's TTL,
@@ -323,6 +347,7 @@ class Worker:
 
     def heartbeat(self) -> Heartbeat:
         load = self.engine.load()
+        self.metrics.load(load)
         return Heartbeat(
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
@@ -371,19 +396,21 @@ class Worker:
             info = await self.redis.xpending_range(self.queue, keys.GROUP, eid, eid, 1)
             attempts[eid] = info[0]["times_delivered"] if info else 2
         log.warning("claimed %d request(s) left by a dead worker", len(entries))
+        self.metrics.claimed.inc(len(entries))
         await self._accept(entries, attempts)
 
 
 async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30.0,
                      metrics_port: int = 0) -> None:
     """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
-    if metrics_port:
-        start_http_server(metrics_port)
+    tracing.setup("slogate-worker")
     redis = aioredis.Redis.from_url(cfg.redis_url or "redis://127.0.0.1:6379/0", max_connections=16,
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(
         pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
         claim_idle_s=cfg.claim_idle_s, max_attempts=cfg.max_attempts, result_ttl_s=cfg.result_ttl_s))
+    if metrics_port:
+        start_http_server(metrics_port, registry=worker.metrics.registry)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
@@ -400,3 +427,4 @@ async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30
     finally:
         stopping.cancel()
         await redis.aclose()
+        tracing.shutdown()

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import completions
+from gateway import audit, completions
 from gateway.batcher import CommandBatcher
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
@@ -26,9 +26,11 @@ from policies.admission import AdmissionController
 from gateway.auth import KeyStore
 from gateway.ratelimit import RateLimiter
 from gateway.workers import WorkerDirectory
+from slogate import logs, tracing
 from slogate.config import Config
 
 log = logging.getLogger("slogate.gateway")
+_AUDITED = frozenset({"/v1/chat/completions", "/v1/completions"})
 _CLIENT_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 _json = msgspec.json.Encoder()
 
@@ -39,6 +41,9 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
     given = request.headers.get("x-request-id")
     request_id = given if given and _CLIENT_ID.match(given) else uuid.uuid4().hex
     request["request_id"] = request_id
+    request["audit"] = {}
+    logs.request_id.set(request_id)
+    started = time.time()
     try:
         resp = await handler(request)
     except APIError as err:
@@ -54,6 +59,9 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
                         None, "internal_error").response()
     if not resp.prepared:
         resp.headers["x-request-id"] = request_id
+    if request.path in _AUDITED:
+        state = request.app[STATE]
+        audit.write(state.batcher, state.cfg.audit_max_entries, request_id, started, resp.status, request["audit"])
     return resp
 
 
@@ -155,6 +163,7 @@ def _resources(cfg: Config):
 
 async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish."""
+    tracing.setup("slogate-gateway")
     app = make_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -175,3 +184,4 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     while state.in_flight and time.monotonic() < end:
         await asyncio.sleep(0.05)
     await runner.cleanup()
+    tracing.shutdown()

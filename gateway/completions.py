@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 from redis.exceptions import RedisError
 
 from gateway import openai_shapes as shapes
@@ -20,7 +21,7 @@ from gateway.results import Subscription
 from gateway.state import STATE, GatewayState
 from policies.admission import deadline_for
 from policies.classify import UnknownClass, classify
-from slogate import keys, protocol
+from slogate import keys, protocol, tracing
 from slogate.protocol import Delta, Error, Final, GenerateRequest
 
 TIMEOUT_HEADER = "x-slogate-timeout"
@@ -89,34 +90,45 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down")
     arrived = time.time()
-    caller = state.keys.authenticate(request.headers.get("Authorization"))
-    body = await _read_body(request, state.cfg.max_body_bytes)
-    parsed = schema.parse(kind, body, state.cfg.default_max_tokens)
-    state.keys.check_model(caller, parsed.model)
-    _check_model(state, parsed)
-    cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
-    deadline = _deadline(request, arrived, cls, state)
-    if state.keys.enabled:
-        await _rate_limit(state, caller, parsed)
-    decision = await admit(state, parsed, cls, deadline)
-    pool = decision.pool
+    with tracing.span(f"POST {request.path}", SpanKind.SERVER, **{"slogate.request_id": request["request_id"]}):
+        with tracing.span("validate"):
+            caller = state.keys.authenticate(request.headers.get("Authorization"))
+            body = await _read_body(request, state.cfg.max_body_bytes)
+            parsed = schema.parse(kind, body, state.cfg.default_max_tokens)
+            state.keys.check_model(caller, parsed.model)
+            _check_model(state, parsed)
+            cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
+            deadline = _deadline(request, arrived, cls, state)
+        request["audit"].update(key=caller.key_id, model=parsed.model, cls=cls)
+        with tracing.span("admit", **{"slogate.class": cls}) as span:
+            if state.keys.enabled:
+                await _rate_limit(state, caller, parsed)
+            decision = await admit(state, parsed, cls, deadline)
+            if span is not None:
+                span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
+        request["audit"].update(pool=decision.pool, decision=decision.reason)
+        return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived, deadline)
 
+
+async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
+               reason: str, pool: str, admission: str, arrived: float, deadline: float) -> web.StreamResponse:
     request_id = uuid.uuid4().hex
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=arrived, prompt=parsed.prompt, messages=parsed.messages,
-        stream=parsed.stream)
+        stream=parsed.stream, trace=tracing.inject())
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
-               "x-slogate-admission": decision.reason}
+               "x-slogate-admission": admission}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id), arrived, headers)
     state.in_flight += 1
     state.metrics.in_flight.inc()
     try:
-        try:
-            await state.batcher.call("XADD", keys.queue(pool), "*", protocol.FIELD, protocol.encode(gen))
-        except (RedisError, OSError) as exc:
-            raise APIError(503, f"cannot queue the request: Redis is unavailable ({exc})", None,
-                           "redis_unavailable") from None
+        with tracing.span("enqueue", **{"slogate.pool": pool}):
+            try:
+                await state.batcher.call("XADD", keys.queue(pool), "*", protocol.FIELD, protocol.encode(gen))
+            except (RedisError, OSError) as exc:
+                raise APIError(503, f"cannot queue the request: Redis is unavailable ({exc})", None,
+                               "redis_unavailable") from None
         if parsed.stream:
             return await _stream(request, job)
         return await _collect(job)
@@ -127,6 +139,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         state.in_flight -= 1
         state.metrics.in_flight.dec()
         _observe(job)
+        request["audit"].update(outcome=job.outcome, prompt_tokens=job.final.prompt_tokens if job.final else 0,
+                                completion_tokens=job.final.completion_tokens if job.final else 0)
 
 
 def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:

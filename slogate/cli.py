@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import sys
 from typing import Any
 
+from slogate import logs
 from slogate.config import Config, ConfigError, load_config
-
-log = logging.getLogger("slogate")
 
 
 def _engine_options(pairs: list[str]) -> dict[str, Any]:
@@ -26,11 +24,6 @@ def _engine_options(pairs: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.replace("-", "_")] = value
     return out
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _run(main: Any) -> None:
@@ -73,6 +66,13 @@ def cmd_hash_key(args: argparse.Namespace, cfg: Config) -> None:
     print(hash_key(secret))
 
 
+def cmd_audit_export(args: argparse.Namespace, cfg: Config) -> None:
+    from gateway.audit import export
+
+    for line in export(cfg.redis_url or "redis://127.0.0.1:6379/0", args.count):
+        print(line)
+
+
 def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
     from slogate.up import run_up
 
@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)
 
+    au = sub.add_parser("audit-export", help="print the audit trail as JSON lines, oldest first")
+    au.add_argument("--count", type=int, help="at most this many records")
+    au.set_defaults(func=cmd_audit_export)
+
     hk = sub.add_parser("hash-key", help="print the sha256 of an API key for the api_keys config")
     hk.add_argument("secret", nargs="?", help="the key (default: read one line from stdin)")
     hk.set_defaults(func=cmd_hash_key)
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: getattr(args, k, None) for k in ("port", "host", "model")}
     try:
         cfg = load_config(args.config, overrides=overrides)
-        _setup_logging(cfg.log_level)
+        logs.setup(cfg.log_level, cfg.log_format)
         args.func(args, cfg)
     except ConfigError as exc:
         print(f"slogate: configuration error: {exc}", file=sys.stderr)

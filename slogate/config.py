@@ -75,7 +75,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     """Lifetime of a result stream past its request's deadline, should its gateway vanish."""
     worker_poll_s: float = 0.5
     """How often the gateway refreshes its view of worker heartbeats."""
+    audit_max_entries: int = 1_000_000
+    """Audit records kept in Redis (older ones are trimmed); export them with audit-export."""
     log_level: str = "INFO"
+    log_format: str = "json"
+    """json (one object a line, with request and trace ids) or text."""
 
 
 def _bool(value: str) -> bool:
@@ -151,13 +155,17 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 
 def _check_ranges(cfg: Config) -> None:
-    positive = ["port", "max_body_bytes", "default_max_tokens", "max_timeout_s", "heartbeat_interval_s",
+    positive = ["port", "audit_max_entries", "max_body_bytes", "default_max_tokens", "max_timeout_s", "heartbeat_interval_s",
                 "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")
     if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:
         raise ConfigError("heartbeat_ttl_s: must exceed heartbeat_interval_s, or live workers flicker")
+    if cfg.log_format not in ("json", "text"):
+        raise ConfigError(f"log_format: must be json or text, got {cfg.log_format!r}")
+    if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"log_level: must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {cfg.log_level!r}")
     for name, pool in cfg.pools.items():
         if pool.workers < 0:
             raise ConfigError(f"pools.{name}.workers: must be >= 0")

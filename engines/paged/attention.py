@@ -8,8 +8,9 @@ multi-token prefill chunk runs in its own causal call. The metadata arrives thro
 model's forward kwargs, so transformers' model definitions are used unchanged.
 
 The pool is laid out [kv_heads, slots, head_dim] per layer: the step's keys arrive in that
-layout (no transpose to store them), and one ``index_select`` gathers a group's contexts
-straight into the [seqs, kv_heads, context, head_dim] shape attention wants. Decodes fold the
+layout (no transpose to store them), and one ``index_select`` of whole blocks (contiguous
+rows of block_size * head_dim) gathers a group's contexts straight into the
+[seqs, kv_heads, context, head_dim] shape attention wants. Decodes fold the
 query heads that share a key-value head into the query dimension, so grouped-query attention
 never copies keys per query head.
 """
@@ -31,11 +32,10 @@ class DecodeGroup:
     start: int
     end: int
     gather: torch.Tensor
-    """Flat rows of the layer's pool viewed as [kv_heads * slots, head_dim], in
-    [seqs, kv_heads, width] order."""
-    width: int
+    """Rows of the layer's pool viewed as [kv_heads * blocks, block_size * head_dim] (one row
+    is one head's block), in [seqs, kv_heads, blocks] order."""
     mask: torch.Tensor
-    """[seqs, 1, 1, width], True where the padded context is real."""
+    """[seqs, 1, 1, blocks * block_size], True where the padded context is real."""
 
 
 @dataclass
@@ -43,15 +43,18 @@ class PrefillSpan:
     start: int
     end: int
     gather: torch.Tensor | None
-    """Flat pool rows of the whole context, [kv_heads, context] order; None when the chunk is
-    the whole context so far (attend over the fresh keys directly)."""
+    """Pool rows (as for :class:`DecodeGroup`) of the whole context's blocks, [kv_heads,
+    blocks] order; None when the chunk is the whole context so far (attend over the fresh
+    keys directly)."""
     mask: torch.Tensor | None
+    """[chunk, blocks * block_size]: causal, and hiding the unused end of the last block."""
 
 
 @dataclass
 class PagedMetadata:
     kv_cache: torch.Tensor
-    """[2, layers, kv_heads, slots, head_dim]"""
+    """[2, layers, kv_heads, slots, head_dim], slot = block * block_size + offset"""
+    block_size: int
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
@@ -75,14 +78,15 @@ def paged_attention(
     k_cache.index_copy_(1, meta.slot_mapping, key[0])
     v_cache.index_copy_(1, meta.slot_mapping, value[0])
     kv_heads, _, head_dim = k_cache.shape
-    k_flat, v_flat = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
+    k_rows = k_cache.view(-1, meta.block_size * head_dim)
+    v_rows = v_cache.view(-1, meta.block_size * head_dim)
     heads = query.shape[1]
     q = query[0].transpose(0, 1)
     out = query.new_empty(q.shape)
     for g in meta.decodes:
         n = g.end - g.start
-        k = k_flat.index_select(0, g.gather).view(n, kv_heads, g.width, head_dim)
-        v = v_flat.index_select(0, g.gather).view(n, kv_heads, g.width, head_dim)
+        k = k_rows.index_select(0, g.gather).view(n, kv_heads, -1, head_dim)
+        v = v_rows.index_select(0, g.gather).view(n, kv_heads, -1, head_dim)
         qg = q[g.start : g.end].reshape(n, kv_heads, heads // kv_heads, head_dim)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scaling)
         out[g.start : g.end] = o.view(n, heads, head_dim)
@@ -91,8 +95,8 @@ def paged_attention(
         if span.gather is None:
             kp, vp = key[:, :, span.start : span.end], value[:, :, span.start : span.end]
         else:
-            kp = k_flat.index_select(0, span.gather).view(1, kv_heads, -1, head_dim)
-            vp = v_flat.index_select(0, span.gather).view(1, kv_heads, -1, head_dim)
+            kp = k_rows.index_select(0, span.gather).view(1, kv_heads, -1, head_dim)
+            vp = v_rows.index_select(0, span.gather).view(1, kv_heads, -1, head_dim)
         o = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling, enable_gqa=heads != kv_heads
         )

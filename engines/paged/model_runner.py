@@ -58,7 +58,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             2, shape.layers, shape.kv_heads, self.num_slots, shape.head_dim, dtype=dtype, device=self.device
         )
-        self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * self.num_slots
+        self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * num_blocks
 
     @torch.inference_mode()
     def run(self, sched: Schedule) -> tuple[list[int], torch.Tensor]:
@@ -77,7 +77,7 @@ class ModelRunner:
 
     def prepare(self, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int], torch.Tensor]:
         seqs, counts = sched.seqs, sched.num_new_tokens
-        decodes = sorted((i for i in range(len(seqs)) if counts[i] == 1), key=lambda i: len(seqs[i]))
+        decodes = sorted((i for i in range(len(seqs)) if counts[i] == 1), key=lambda i: seqs[i].num_computed_tokens)
         prefills = [i for i in range(len(seqs)) if counts[i] > 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -96,6 +96,7 @@ class ModelRunner:
         tables = [seqs[i].block_table for i in decodes + prefills]
         meta = PagedMetadata(
             kv_cache=self.kv_cache,
+            block_size=self.block_size,
             slot_mapping=self._slot_mapping(tables, [counts[i] for i in decodes + prefills], positions),
             decodes=self._decode_groups([seqs[i] for i in decodes]),
             prefills=spans,
@@ -113,28 +114,24 @@ class ModelRunner:
         )
         return padded[owner, positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _context_slots(self, tables: list[list[int]], width: int) -> torch.Tensor:
-        """[seqs, width] cache slots of each sequence's first ``width`` positions (padding
-        points at slot 0, which masks then hide)."""
-        blocks = -(-width // self.block_size)
+    def _gather_rows(self, tables: list[list[int]], num_blocks: int) -> torch.Tensor:
+        """Pool rows (one head's block each) of each sequence's first ``num_blocks`` blocks,
+        in [seqs, kv_heads, blocks] order; padding points at block 0, which masks then hide."""
         padded = torch.tensor(
-            [t[:blocks] + [0] * (blocks - len(t[:blocks])) for t in tables], dtype=torch.long, device=self.device
+            [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables],
+            dtype=torch.long,
+            device=self.device,
         )
-        offsets = torch.arange(self.block_size, device=self.device)
-        return (padded.unsqueeze(2) * self.block_size + offsets).view(len(tables), -1)[:, :width]
-
-    def _gather_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Flat pool rows for ``slots`` [seqs, width], in [seqs, kv_heads, width] order."""
-        return (self._head_offsets.view(1, -1, 1) + slots.unsqueeze(1)).reshape(-1)
+        return (self._head_offsets.view(1, -1, 1) + padded.unsqueeze(1)).reshape(-1)
 
     def _prefill_span(self, block_table: list[int], row: int, start: int, n: int) -> PrefillSpan:
         if start == 0:
             return PrefillSpan(row, row + n, None, None)
-        context = start + n
-        slots = self._context_slots([block_table], context)
-        key_pos = torch.arange(context, device=self.device)
-        mask = key_pos.unsqueeze(0) <= key_pos[start:].unsqueeze(1)
-        return PrefillSpan(row, row + n, self._gather_rows(slots), mask)
+        blocks = -(-(start + n) // self.block_size)
+        key_pos = torch.arange(blocks * self.block_size, device=self.device)
+        query_pos = torch.arange(start, start + n, device=self.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+        return PrefillSpan(row, row + n, self._gather_rows([block_table], blocks), mask)
 
     def _decode_groups(self, seqs: list[Sequence]) -> list[DecodeGroup]:
         """Decodes (sorted by length) cut into groups of similar context length."""
@@ -142,16 +139,17 @@ class ModelRunner:
         first = 0
         while first < len(seqs):
             last = first + 1
-            limit = GROUP_SPREAD * len(seqs[first]) + self.block_size
-            while last < len(seqs) and len(seqs[last]) <= limit:
+            limit = GROUP_SPREAD * seqs[first].num_computed_tokens + self.block_size
+            while last < len(seqs) and seqs[last].num_computed_tokens <= limit:
                 last += 1
             groups.append(self._decode_group(seqs[first:last], first))
             first = last
         return groups
 
     def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
-        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        width = int(lengths.max())
-        slots = self._context_slots([s.block_table for s in seqs], width)
+        lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs], device=self.device)
+        blocks = -(-int(lengths.max()) // self.block_size)
+        width = blocks * self.block_size
         mask = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
-        return DecodeGroup(start, start + len(seqs), self._gather_rows(slots), width, mask.view(len(seqs), 1, 1, width))
+        rows = self._gather_rows([s.block_table for s in seqs], blocks)
+        return DecodeGroup(start, start + len(seqs), rows, mask.view(len(seqs), 1, 1, width))

@@ -19,7 +19,7 @@ from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.loader import LoadedModel
 from engines.runtime.sampling import make_generator, sample
 from engines.stream.kv import DecodeBatch, cache_argument, cache_bytes, cache_length, new_cache
-from engines.stream.schedule import EdfQueue, Ewma, prefill_chunk
+from engines.stream.schedule import EdfQueue, Ewma, PrefillCost
 from slogate.protocol import FinishReason
 
 _WARMUP_TOKENS = 64
@@ -55,6 +55,7 @@ class StreamEngine:
         step_budget_ms: float = 20.0,
         prefill_chunk_tokens: int | None = None,
         min_prefill_chunk: int = 16,
+        max_prefill_chunk: int = 1024,
         enforce_deadline: bool = True,
         warmup: bool = True,
     ) -> None:
@@ -70,8 +71,9 @@ class StreamEngine:
         self.budget_s = step_budget_ms / 1000.0
         self.fixed_chunk = prefill_chunk_tokens
         self.min_chunk = min_prefill_chunk
+        self.max_chunk = max_prefill_chunk
         self.enforce_deadline = enforce_deadline
-        self.prefill_s_per_token = Ewma()
+        self.prefill_cost = PrefillCost(fixed_s=Ewma(), per_token_s=Ewma())
         self.decode_step_s = Ewma()
         self._streams: dict[str, _Stream] = {}
         self._waiting = EdfQueue()
@@ -143,9 +145,13 @@ class StreamEngine:
             waiting=len(self._waiting),
             capacity=self.max_batch,
             kv_usage=kv_tokens / (self.max_batch * self.max_context),
-            prefill_s_per_token=self.prefill_s_per_token.value,
+            prefill_s_per_token=self.prefill_cost.per_token_s.value,
             decode_step_s=self.decode_step_s.value,
-            extra={"kv_bytes": float(self.kv_bytes()), "prefill_chunk_tokens": float(self._chunk_tokens(self.budget_s))},
+            extra={
+                "kv_bytes": float(self.kv_bytes()),
+                "prefill_fixed_s": self.prefill_cost.fixed_s.value,
+                "prefill_chunk_tokens": float(self._chunk_tokens(self.budget_s)),
+            },
         )
 
     def kv_tokens(self, request_id: str) -> int:
@@ -183,7 +189,7 @@ class StreamEngine:
     def _chunk_tokens(self, left_s: float) -> int:
         if self.fixed_chunk is not None:
             return self.fixed_chunk
-        return prefill_chunk(left_s, 0.0, self.prefill_s_per_token.value, self.min_chunk, self.max_context)
+        return self.prefill_cost.tokens_within(left_s, self.min_chunk, self.max_chunk)
 
     def _prefill(self, budget: int) -> list[StepOutput]:
         """Spend ``budget`` prompt tokens on prefilling streams, earliest deadline first; a
@@ -214,11 +220,17 @@ class StreamEngine:
         return outputs
 
     def _prefill_chunk(self, stream: _Stream, n: int) -> torch.Tensor | None:
-        """Run ``n`` more prompt tokens; return the last position's logits once the prompt is
-        done."""
+        """Run ``n`` more prompt tokens, learning what they cost; return the last position's
+        logits once the prompt is done."""
+        began = time.perf_counter()
+        logits = self._forward_prompt(stream, n)
+        if n >= self.min_chunk:
+            self.prefill_cost.add(n, time.perf_counter() - began)
+        return logits
+
+    def _forward_prompt(self, stream: _Stream, n: int) -> torch.Tensor | None:
         start = stream.prefilled
         device = self.loaded.device
-        began = time.perf_counter()
         out = self.loaded.model(
             input_ids=torch.tensor([stream.prompt_ids[start : start + n]], device=device),
             position_ids=torch.arange(start, start + n, device=device).unsqueeze(0),
@@ -227,8 +239,6 @@ class StreamEngine:
             logits_to_keep=1,
         )
         self._sync()
-        if n >= self.min_chunk:
-            self.prefill_s_per_token.add((time.perf_counter() - began) / n)
         stream.prefilled += n
         return out.logits[:, -1, :] if stream.prefilled == len(stream.prompt_ids) else None
 
@@ -257,7 +267,10 @@ class StreamEngine:
                 finished.add(stream.request.id)
                 del self._streams[stream.request.id]
         self._batch.leave(finished)
-        self.decode_step_s.add(time.perf_counter() - began)
+        elapsed = time.perf_counter() - began
+        self.decode_step_s.add(elapsed)
+        if len(streams) == 1:
+            self.prefill_cost.fixed_s.add(elapsed)
         return outputs
 
     def _fail(self, stream: _Stream, exc: Exception) -> StepOutput:
@@ -275,19 +288,20 @@ class StreamEngine:
             torch.cuda.synchronize(self.loaded.device)
 
     def _warmup(self) -> None:
-        """Measure prefill and decode cost before the first request, so the first long prompt
-        is already chunked to fit the budget."""
+        """Measure what a forward pass costs before the first request, so the first long
+        prompt is already chunked to fit the budget: a one-token pass gives the fixed cost,
+        a longer one the cost per token."""
         n = min(_WARMUP_TOKENS, self.max_context - 1)
         vocab = self.loaded.model.config.get_text_config().vocab_size
         ids = [i % vocab for i in range(n)]
         with torch.inference_mode():
             for _ in range(2):
-                stream = _Stream(EngineRequest("warmup", None, 0.0), ids, None, None, new_cache())  # type: ignore[arg-type]
-                self.prefill_s_per_token = Ewma()
-                self._prefill_chunk(stream, n)
-                batch = DecodeBatch(self.loaded.device)
-                batch.join("warmup", stream.cache, 0)
-                began = time.perf_counter()
-                self.loaded.model(**batch.forward_inputs(self._cache_arg), use_cache=True, logits_to_keep=1)
-                self._sync()
-                self.decode_step_s = Ewma(time.perf_counter() - began)
+                timings = []
+                for length in (1, n):
+                    stream = _Stream(EngineRequest("warmup", None, 0.0), ids[:length], None, None, new_cache())  # type: ignore[arg-type]
+                    began = time.perf_counter()
+                    self._forward_prompt(stream, length)
+                    timings.append(time.perf_counter() - began)
+        fixed, full = timings
+        self.prefill_cost = PrefillCost(Ewma(fixed), Ewma(max(full - fixed, 0.0) / max(n - 1, 1)))
+        self.decode_step_s = Ewma(fixed)

@@ -53,15 +53,26 @@ class Ewma:
         self.value = sample if self.value == 0.0 else self.value + self.alpha * (sample - self.value)
 
 
-def prefill_chunk(
-    budget_s: float, decode_s: float, prefill_s_per_token: float, min_tokens: int, max_tokens: int
-) -> int:
-    """Prompt tokens that fit in what the step budget leaves after the decode pass.
+@dataclass
+class PrefillCost:
+    """Prefill time as a fixed cost per forward pass plus a cost per prompt token.
 
-    Never below ``min_tokens``: a prompt must make progress even when decoding alone fills
-    the budget, or a full batch would starve the newcomer forever.
+    Dividing a chunk's time by its length would fold the fixed cost into the per-token
+    figure; small chunks would then look dear, the next chunk would be sized smaller still,
+    and chunking would spiral down to its minimum.
     """
-    if prefill_s_per_token <= 0.0:
-        return max_tokens
-    fit = int((budget_s - decode_s) / prefill_s_per_token)
-    return max(min_tokens, min(max_tokens, fit))
+
+    fixed_s: Ewma
+    per_token_s: Ewma
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.per_token_s.add(max(seconds - self.fixed_s.value, 0.0) / tokens)
+
+    def tokens_within(self, seconds: float, min_tokens: int, max_tokens: int) -> int:
+        """Prompt tokens one forward pass can take in ``seconds``, never below ``min_tokens``:
+        a prompt must make progress even when decoding alone fills the budget, or a full
+        batch would starve the newcomer."""
+        if self.per_token_s.value <= 0.0:
+            return max_tokens
+        fit = int((seconds - self.fixed_s.value) / self.per_token_s.value)
+        return max(min_tokens, min(max_tokens, fit))

@@ -1,0 +1,152 @@
+"""The gateway's OpenAPI 3.1 document.
+
+Request bodies are generated from the msgspec structs that decode them (``gateway.schema``),
+so the published contract cannot drift from what the gateway accepts; only the response
+shapes, which ``openai_shapes`` builds as plain dicts, are written out here.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any
+
+import msgspec
+
+from gateway.schema import ChatBody, CompletionBody
+
+_REF = "#/components/schemas/{name}"
+
+ERROR_STATUSES = {
+    400: "The body or a header is invalid; `param` names the offending field.",
+    401: "Authentication is on and the API key is missing, malformed or unknown.",
+    403: "The API key may not use this model.",
+    404: "No live worker serves the requested model.",
+    413: "The body exceeds the gateway's `max_body_bytes`.",
+    429: "Shed by admission control or over the key's rate limit; see `Retry-After`.",
+    502: "The worker failed or ended the request.",
+    503: "No live worker, a paused pool, Redis unavailable, or the gateway is draining.",
+    504: "The request's deadline passed before it finished.",
+}
+"""Every error a completion endpoint can answer, all in OpenAI's error shape."""
+
+_RETRY_AFTER = {"Retry-After": {"description": "Whole seconds to wait before retrying.",
+                                "schema": {"type": "string"}},
+                "retry-after-ms": {"description": "Milliseconds to wait (read by the OpenAI SDKs).",
+                                   "schema": {"type": "string"}}}
+_REQUEST_ID = {"x-request-id": {"description": "The client's id if it sent a valid one, else a new one.",
+                                "schema": {"type": "string"}}}
+
+
+def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "object", "properties": {**required, **(optional or {})}, "required": list(required)}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_STR, _INT = {"type": "string"}, {"type": "integer"}
+_USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
+
+
+def _response_schemas() -> dict[str, dict[str, Any]]:
+    """What ``openai_shapes`` and the plain handlers in ``app`` send back."""
+    choice = {"index": _INT, "logprobs": {"type": "null"}, "finish_reason": _nullable(_STR)}
+    return {
+        "Error": _obj({"error": _obj({"message": _STR, "type": _STR, "param": _nullable(_STR),
+                                      "code": _nullable(_STR)})}),
+        "Usage": _USAGE,
+        "ChatCompletion": _obj({
+            "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
+            "choices": {"type": "array", "items": _obj({
+                **choice, "message": _obj({"role": {"const": "assistant"}, "content": _STR})})},
+            "usage": {"$ref": _REF.format(name="Usage")}}),
+        "Completion": _obj({
+            "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
+            "choices": {"type": "array", "items": _obj({**choice, "text": _STR})},
+            "usage": {"$ref": _REF.format(name="Usage")}}),
+        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj(
+            {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
+            {"max_model_len": _INT, "pools": {"type": "array", "items": _STR}})}}),
+        "Health": _obj({"status": _STR}),
+        "Readiness": _obj({"status": {"enum": ["ok", "unavailable"]}, "reason": _STR}),
+    }
+
+
+def _error_responses() -> dict[str, dict[str, Any]]:
+    out = {}
+    for status, why in ERROR_STATUSES.items():
+        headers = {**_REQUEST_ID, **(_RETRY_AFTER if status in (429, 503) else {})}
+        out[f"Error{status}"] = {"description": why, "headers": headers, "content": {
+            "application/json": {"schema": {"$ref": _REF.format(name="Error")}}}}
+    return out
+
+
+_HEADERS = [
+    {"name": "x-request-id", "in": "header", "required": False,
+     "description": "Echoed back; an id that is not 1-128 printable ASCII characters is replaced.",
+     "schema": {"type": "string"}},
+    {"name": "x-slogate-class", "in": "header", "required": False,
+     "description": "Force the request's class instead of letting the gateway classify it.",
+     "schema": {"enum": ["interactive", "batch"]}},
+    {"name": "x-slogate-timeout", "in": "header", "required": False,
+     "description": "Deadline in seconds, at most the gateway's `max_timeout_s`; 504 when it passes.",
+     "schema": {"type": "number", "exclusiveMinimum": 0}},
+]
+
+
+def _completion_op(summary: str, op_id: str, body: str, result: str,
+                   example: dict[str, Any]) -> dict[str, Any]:
+    ok = {"description": "The answer: one JSON object, or server-sent events when `stream` is true.",
+          "headers": _REQUEST_ID,
+          "content": {"application/json": {"schema": {"$ref": _REF.format(name=result)}},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    return {"post": {
+        "summary": summary, "operationId": op_id,
+        "security": [{}, {"bearer": []}], "parameters": _HEADERS,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(name=body)}, "example": example}}},
+        "responses": {"200": ok, **{str(s): {"$ref": f"#/components/responses/Error{s}"}
+                                    for s in ERROR_STATUSES}}}}
+
+
+def _get_op(summary: str, op_id: str, content: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"get": {"summary": summary, "operationId": op_id, "responses": {
+        "200": {"description": summary, "content": content}, **extra}}}
+
+
+def _json(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}
+
+
+def openapi_document(example_model: str = "slogate-sim") -> dict[str, Any]:
+    """The document served at ``/openapi.json``; ``example_model`` fills the request examples,
+    which fuzzers start from, so that some of their requests reach a worker."""
+    _, request_schemas = msgspec.json.schema_components((ChatBody, CompletionBody), ref_template=_REF)
+    chat_example = {"model": example_model, "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "Score txn 1: 10 EUR at merchant 5"}]}
+    completion_example = {"model": example_model, "max_tokens": 8, "prompt": "Risk report:"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "slogate", "version": version("slogate"),
+                 "description": "An SLO-aware, OpenAI-compatible gateway for LLM inference."},
+        "paths": {
+            "/v1/chat/completions": _completion_op("Create a chat completion", "createChatCompletion",
+                                                   "ChatBody", "ChatCompletion", chat_example),
+            "/v1/completions": _completion_op("Create a text completion", "createCompletion",
+                                              "CompletionBody", "Completion", completion_example),
+            "/v1/models": _get_op("Models that live workers serve", "listModels", _json("ModelList")),
+            "/healthz": _get_op("The process is alive", "healthz", _json("Health")),
+            "/readyz": _get_op("Redis answers and every configured pool has a live worker", "readyz",
+                               _json("Readiness"), **{"503": {"description": "Not ready; `reason` says why.",
+                                                              "content": _json("Readiness")}}),
+            "/metrics": _get_op("Prometheus metrics", "metrics",
+                                {"text/plain": {"schema": {"type": "string"}}}),
+        },
+        "components": {
+            "schemas": {**request_schemas, **_response_schemas()},
+            "responses": _error_responses(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "Needed only when the gateway has `api_keys`."}},
+        },
+    }

@@ -1,0 +1,115 @@
+"""Traces that cross processes, the audit trail, worker metrics and JSON logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+
+from slogate import logs
+from slogate.local_redis import LocalRedis, free_port
+from slogate.processes import ROOT, Stack, http_get
+from tests.e2e.conftest import FAST_FLEET, MODEL
+
+SECRET_PROMPT = "txn 991: the customer's secret note"
+
+
+@pytest.fixture(scope="module")
+def traced(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path, int]]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    traces = tmp_path_factory.mktemp("traces")
+    metrics_port = free_port()
+    gw = Stack(redis_server.url, {**FAST_FLEET, "OTEL_TRACES_EXPORTER": "file",
+                                  "SLOGATE_TRACE_FILE": str(traces / "gateway.jsonl")})
+    gw.gateway()
+    workers = Stack(redis_server.url, {**FAST_FLEET, "OTEL_TRACES_EXPORTER": "file",
+                                       "SLOGATE_TRACE_FILE": str(traces / "worker.jsonl")}, port=gw.port)
+    workers._spawn("worker", "--pool", "interactive", "--engine", "sim", "-o", "decode_base_s=0.001",
+                   "--metrics-port", str(metrics_port))
+    workers.worker("batch", "sim", "decode_base_s=0.001")
+    gw.wait_models(MODEL, pools=2)
+    yield gw, traces, metrics_port
+    workers.stop()
+    gw.stop()
+
+
+def spans(path: Path) -> list[dict]:
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def test_one_trace_links_gateway_and_worker(traced) -> None:
+    stack, traces, _ = traced
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "trace me"}], "max_tokens": 3}) as r:
+            assert r.status == 200
+            request_id = r.headers["x-request-id"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        gateway_spans = spans(traces / "gateway.jsonl")
+        roots = [sp for sp in gateway_spans if sp["attributes"].get("slogate.request_id") == request_id]
+        worker_spans = spans(traces / "worker.jsonl")
+        if roots and worker_spans:
+            break
+        time.sleep(0.1)
+    assert len(roots) == 1
+    trace_id = roots[0]["context"]["trace_id"]
+    gateway_names = {sp["name"] for sp in gateway_spans if sp["context"]["trace_id"] == trace_id}
+    assert {"POST /v1/chat/completions", "validate", "admit", "enqueue"} <= gateway_names
+    mine = [sp for sp in worker_spans if sp["context"]["trace_id"] == trace_id]
+    assert {sp["name"] for sp in mine} == {"queue_wait", "prefill", "decode"}
+    gateway_ids = {sp["context"]["span_id"] for sp in gateway_spans}
+    assert all(sp["parent_id"] in gateway_ids for sp in mine), "worker spans must hang off the gateway's"
+    assert all(sp["resource"]["attributes"]["service.name"] == "slogate-worker" for sp in mine)
+
+
+async def test_audit_trail_has_every_request_and_no_text(traced) -> None:
+    stack, _, _ = traced
+    async with aiohttp.ClientSession() as s:
+        ok = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 3}
+        async with s.post(stack.url + "/v1/chat/completions", json=ok, headers={"x-request-id": "audit-ok"}) as r:
+            answer = (await r.json())["choices"][0]["message"]["content"]
+        async with s.post(stack.url + "/v1/chat/completions", json={**ok, "model": "nope"},
+                          headers={"x-request-id": "audit-404"}) as r:
+            assert r.status == 404
+    time.sleep(0.2)
+    out = subprocess.run([sys.executable, "-m", "slogate.cli", "audit-export"], capture_output=True,
+                         text=True, env=stack.env(), cwd=ROOT, check=True).stdout
+    records = {r["request_id"]: r for r in map(json.loads, out.splitlines())}
+    good, bad = records["audit-ok"], records["audit-404"]
+    assert good["status"] == 200 and good["key"] == "anonymous" and good["model"] == MODEL
+    assert good["cls"] == "interactive" and good["decision"] == "fits" and good["outcome"] == "length"
+    assert good["completion_tokens"] == 3 and good["prompt_tokens"] > 0
+    assert bad["status"] == 404 and bad["outcome"] == "rejected"
+    assert SECRET_PROMPT not in out and answer.strip() not in out
+
+
+def test_worker_serves_its_own_metrics(traced) -> None:
+    _, _, port = traced
+    status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+    text = body.decode()
+    assert status == 200
+    assert 'slogate_worker_requests_total{engine="sim",outcome="length",pool="interactive"' in text
+    assert "slogate_worker_step_seconds_bucket" in text
+    assert "slogate_worker_kv_cache_usage_ratio" in text
+
+
+def test_json_log_lines_carry_request_id() -> None:
+    record = logging.LogRecord("slogate.gateway", logging.WARNING, __file__, 1, "slow %s", ("client",), None)
+    token = logs.request_id.set("rid-42")
+    try:
+        line = json.loads(logs.JsonFormatter().format(record))
+    finally:
+        logs.request_id.reset(token)
+    assert line["msg"] == "slow client" and line["request_id"] == "rid-42" and line["level"] == "warning"

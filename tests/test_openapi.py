@@ -1,0 +1,68 @@
+"""The OpenAPI document is valid, matches the routes the app serves, and carries the request
+schemas the gateway actually decodes with."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from openapi_spec_validator import validate
+
+from gateway import schema
+from gateway.app import make_app
+from gateway.openapi import ERROR_STATUSES, openapi_document
+from slogate.config import Config
+
+DOC = openapi_document()
+COMPLETION_PATHS = {"/v1/chat/completions": ("chat", "ChatBody"), "/v1/completions": ("completion", "CompletionBody")}
+
+
+def _resolve(ref: str) -> dict:
+    node = DOC
+    for part in ref.removeprefix("#/").split("/"):
+        node = node[part]
+    return node
+
+
+def test_document_is_valid_openapi_3_1() -> None:
+    assert DOC["openapi"].startswith("3.1")
+    validate(DOC)
+
+
+def test_documented_operations_are_the_routes_the_app_serves() -> None:
+    served = {(r.method.lower(), r.resource.canonical) for r in make_app(Config()).router.routes()
+              if r.method != "HEAD"}
+    documented = {(method, path) for path, ops in DOC["paths"].items() for method in ops}
+    assert documented == served
+
+
+def test_request_schemas_are_the_msgspec_structs() -> None:
+    _, expected = msgspec.json.schema_components((schema.ChatBody, schema.CompletionBody),
+                                                 ref_template="#/components/schemas/{name}")
+    for name, body in expected.items():
+        assert DOC["components"]["schemas"][name] == body, name
+    for path, (_, name) in COMPLETION_PATHS.items():
+        body = DOC["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{name}"}
+    assert {"model", "messages", "max_tokens", "stream"} <= set(DOC["components"]["schemas"]["ChatBody"]["properties"])
+    assert "prompt" in DOC["components"]["schemas"]["CompletionBody"]["properties"]
+
+
+@pytest.mark.parametrize("path", COMPLETION_PATHS)
+def test_request_examples_pass_the_gateways_own_validation(path: str) -> None:
+    kind, _ = COMPLETION_PATHS[path]
+    example = DOC["paths"][path]["post"]["requestBody"]["content"]["application/json"]["example"]
+    parsed = schema.parse(kind, msgspec.json.encode(example), default_max_tokens=16)
+    assert parsed.model == "slogate-sim"
+
+
+@pytest.mark.parametrize("path", COMPLETION_PATHS)
+def test_every_error_status_answers_in_openais_error_shape(path: str) -> None:
+    responses = DOC["paths"][path]["post"]["responses"]
+    assert {400, 401, 403, 404, 413, 429, 503, 504} <= set(ERROR_STATUSES)
+    for status in ERROR_STATUSES:
+        resp = _resolve(responses[str(status)]["$ref"])
+        error = _resolve(resp["content"]["application/json"]["schema"]["$ref"])
+        inner = error["properties"]["error"]
+        assert error["required"] == ["error"]
+        assert set(inner["required"]) == {"message", "type", "param", "code"}
+    assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
