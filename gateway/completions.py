@@ -144,6 +144,9 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
 
 
 def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:
+    if not state.directory.redis_ok:
+        raise APIError(503, "Redis is unreachable; the request cannot be queued", None, "redis_unavailable",
+                       retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
     view = state.directory.view
     if not view.heartbeats:
         raise APIError(503, "no live worker is serving any model; start a worker "

@@ -4,8 +4,6 @@ documented shape, never a crash (5xx) and never silence (a hang)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import requests
 import schemathesis
@@ -24,22 +22,16 @@ SLO_REFUSALS = {503: {"no_live_worker", "circuit_open", "shutting_down"}, 504: {
 rather than failing; their codes come from ``gateway.admit`` and ``gateway.completions``."""
 
 
-@pytest.fixture(scope="module")
-def api(stack: Stack) -> Iterator[schemathesis.BaseSchema]:
-    """The in-process document, pointed at the live gateway (until ``/openapi.json`` serves it)."""
-    schema = schemathesis.openapi.from_dict(openapi_document(MODEL))
-    schema.config.update(base_url=stack.url, request_timeout=REQUEST_TIMEOUT_S)
-    yield schema
-
-
-schema = schemathesis.pytest.from_fixture("api")
+schema = schemathesis.openapi.from_dict(openapi_document(MODEL))
+"""Built in-process until the gateway serves ``/openapi.json``; eager, not
+``schemathesis.pytest.from_fixture``, whose lazy loading breaks on pytest 9."""
 
 
 @schema.parametrize()
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_5xx_and_no_hang(case: schemathesis.Case) -> None:
+def test_no_5xx_and_no_hang(case: schemathesis.Case, stack: Stack) -> None:
     try:
-        response = case.call(timeout=REQUEST_TIMEOUT_S)
+        response = case.call(base_url=stack.url, timeout=REQUEST_TIMEOUT_S)
     except requests.Timeout:
         pytest.fail(f"no answer within {REQUEST_TIMEOUT_S:g} s; reproduce with:\n{case.as_curl_command()}")
     if response.status_code >= 500:

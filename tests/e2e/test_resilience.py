@@ -1,0 +1,126 @@
+"""Redis going away, a gateway told to stop, unreadable messages and clients that stop reading."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+
+from slogate import keys
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack, http_get
+from tests.e2e.conftest import FAST_FLEET, MODEL
+
+SCORE = {"model": MODEL, "messages": [{"role": "user", "content": "score txn 3"}], "max_tokens": 4}
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A Redis of this test's own, since the test stops it."""
+    server = LocalRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+def stack_on(server: LocalRedis, decode_base_s: float = 0.001) -> Stack:
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
+    stack.gateway()
+    for pool in ("interactive", "batch"):
+        stack.worker(pool, "sim", f"decode_base_s={decode_base_s}", "decode_s_per_seq=0")
+    stack.wait_models(MODEL, pools=2)
+    return stack
+
+
+async def post(stack: Stack, body: dict, timeout: float = 10) -> int:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
+            await r.read()
+            return r.status
+
+
+async def test_redis_outage_gives_503_then_recovers(own_redis: LocalRedis) -> None:
+    stack = stack_on(own_redis, decode_base_s=0.02)
+    try:
+        assert await post(stack, SCORE) == 200
+        in_flight = asyncio.create_task(post(stack, {**SCORE, "max_tokens": 100}))
+        await asyncio.sleep(0.3)
+        own_redis.stop()
+        assert await in_flight == 503, "a request caught by the outage must fail, not hang or vanish"
+        statuses = [await post(stack, SCORE, timeout=5) for _ in range(5)]
+        assert set(statuses) == {503}
+        stack.wait_http("/readyz", status=503, timeout=5)
+        own_redis.start()
+        stack.wait_http("/readyz", status=200, timeout=20)
+        assert await post(stack, SCORE) == 200, "the gateway and workers recover without a restart"
+    finally:
+        stack.stop()
+
+
+async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> None:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = stack_on(redis_server, decode_base_s=0.02)
+    gateway = stack.procs[0]
+    try:
+        slow = asyncio.create_task(post(stack, {**SCORE, "max_tokens": 50}))
+        await asyncio.sleep(0.3)
+        gateway.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        assert await post(stack, SCORE) == 503, "a draining gateway takes no new work"
+        assert http_get(stack.url + "/readyz")[0] == 503
+        assert await slow == 200, "work in flight finishes within the grace period"
+        assert gateway.wait(timeout=10) == 0
+    finally:
+        stack.stop()
+
+
+async def test_unreadable_messages_are_dropped_and_work_goes_on(redis_server: LocalRedis) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    stack = stack_on(redis_server)
+    try:
+        queue = keys.queue("interactive")
+        client.xadd(queue, {b"m": b"\x93garbage"})
+        client.xadd(queue, {b"m": b"\x82\xa1v\x63\xa2id\xa1x"})
+        client.xadd(queue, {b"other": b"field"})
+        assert await post(stack, SCORE) == 200
+        deadline = time.monotonic() + 5
+        while client.xpending(queue, keys.GROUP)["pending"] or client.xlen(queue):
+            assert time.monotonic() < deadline, "unreadable entries must be acknowledged and removed"
+            await asyncio.sleep(0.05)
+    finally:
+        stack.stop()
+        client.close()
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def test_stalled_stream_reader_does_not_hurt_others(redis_server: LocalRedis) -> None:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = stack_on(redis_server)
+    gateway_pid = stack.procs[0].pid
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
+        body = (b'{"model": "%s", "prompt": "go", "max_tokens": 4000, "stream": true}' % MODEL.encode())
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        before = rss_kb(gateway_pid)
+        results = await asyncio.gather(*(post(stack, SCORE) for _ in range(30)))
+        assert results == [200] * 30
+        await asyncio.sleep(1.0)
+        assert rss_kb(gateway_pid) - before < 50_000, "a client that stops reading must not grow memory"
+        writer.close()
+    finally:
+        stack.stop()
