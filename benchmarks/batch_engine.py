@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -50,11 +51,23 @@ class Row:
     name: str
     output_tokens: int
     seconds: float
+    cpu_seconds: float = 0.0
+    """Process CPU time: on a shared machine it moves less than wall time with other load."""
     note: str = ""
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+class _Clock:
+    """Wall and process CPU time since creation."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def row(self, name: str, tokens: int) -> Row:
+        return Row(name, tokens, time.perf_counter() - self.wall, time.process_time() - self.cpu)
 
 
 def make_jobs(loaded: LoadedModel, n: int, seed: int) -> list[Job]:
@@ -77,29 +90,29 @@ def _random_text(loaded: LoadedModel, rng: random.Random, num_tokens: int) -> st
 def run_paged(engine: PagedEngine, jobs: list[Job]) -> Row:
     """All jobs submitted at once; the clock runs until the last token."""
     tokens = 0
-    started = time.perf_counter()
+    clock = _Clock()
     for i, job in enumerate(jobs):
         engine.add_request(_request(engine, f"j{i}", job.prompt, job.max_tokens))
     while engine.has_unfinished():
         for out in engine.step():
             assert out.error is None, out.error
             tokens += len(out.token_ids)
-    return Row("slogate paged engine", tokens, time.perf_counter() - started)
+    return clock.row("slogate paged engine", tokens)
 
 
 def run_sequential(model: PreTrainedModel, jobs: list[Job]) -> Row:
     tokens = 0
-    started = time.perf_counter()
+    clock = _Clock()
     for job in jobs:
         ids = torch.tensor([job.prompt_ids])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **_greedy(job.max_tokens))
         tokens += out.shape[1] - ids.shape[1]
-    return Row("transformers generate, one at a time", tokens, time.perf_counter() - started)
+    return clock.row("transformers generate, one at a time", tokens)
 
 
 def run_static(model: PreTrainedModel, jobs: list[Job], batch_size: int, pad_id: int) -> Row:
     tokens = 0
-    started = time.perf_counter()
+    clock = _Clock()
     for first in range(0, len(jobs), batch_size):
         batch = jobs[first : first + batch_size]
         width = max(len(j.prompt_ids) for j in batch)
@@ -110,7 +123,7 @@ def run_static(model: PreTrainedModel, jobs: list[Job], batch_size: int, pad_id:
             mask[row, width - len(job.prompt_ids) :] = 1
         model.generate(ids, attention_mask=mask, pad_token_id=pad_id, **_greedy(max(j.max_tokens for j in batch)))
         tokens += sum(j.max_tokens for j in batch)
-    return Row(f"transformers generate, static batches of {batch_size}", tokens, time.perf_counter() - started)
+    return clock.row(f"transformers generate, static batches of {batch_size}", tokens)
 
 
 def run_transformers_cb(model: PreTrainedModel, jobs: list[Job]) -> Row:
@@ -119,7 +132,7 @@ def run_transformers_cb(model: PreTrainedModel, jobs: list[Job]) -> Row:
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
     tokens = 0
-    started = time.perf_counter()
+    clock = _Clock()
     try:
         for i, job in enumerate(jobs):
             manager.add_request(job.prompt_ids, request_id=f"j{i}", max_new_tokens=job.max_tokens, eos_token_id=-1)
@@ -131,9 +144,10 @@ def run_transformers_cb(model: PreTrainedModel, jobs: list[Job]) -> Row:
             if result.is_finished():
                 done += 1
                 tokens += len(result.generated_tokens)
+        row = clock.row("transformers continuous batching (init_continuous_batching)", tokens)
     finally:
         manager.stop(block=True)
-    return Row("transformers continuous batching", tokens, time.perf_counter() - started)
+    return row
 
 
 def prefix_ttft(engine: PagedEngine, seed: int, repeats: int = 5) -> tuple[float, float]:
@@ -175,8 +189,11 @@ def main() -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size)
@@ -201,7 +218,7 @@ def main() -> None:
                 cb_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
                 rows.append(run_transformers_cb(cb_model, jobs))
             except Exception as exc:  # noqa: BLE001 - report what broke, keep the other figures
-                rows.append(Row("transformers continuous batching", 0, 0.0, f"failed: {exc!r}"[:120]))
+                rows.append(Row("transformers continuous batching", 0, 0.0, note=f"failed: {exc!r}"[:120]))
         cached, uncached = prefix_ttft(engine, args.seed + 1)
 
     report(args, jobs, rows, cached, uncached, engine)
@@ -210,18 +227,26 @@ def main() -> None:
 def report(args: argparse.Namespace, jobs: list[Job], rows: list[Row], cached: float, uncached: float, engine: PagedEngine) -> None:
     static = next(r for r in rows if r.name.startswith("transformers generate, static"))
     lines = [
-        f"# Batch engine benchmark ({args.size} model, fp32, CPU, {torch.get_num_threads()} threads)",
+        f"# Batch engine benchmark ({args.size} model, fp32, CPU, {torch.get_num_threads()} torch threads)",
         "",
         f"{len(jobs)} requests at once, prompts {min(len(j.prompt_ids) for j in jobs)}-"
         f"{max(len(j.prompt_ids) for j in jobs)} tokens, outputs {min(j.max_tokens for j in jobs)}-"
         f"{max(j.max_tokens for j in jobs)} tokens (greedy, ignore_eos), seed {args.seed}.",
         "",
-        "| contender | output tokens | seconds | tokens/s | vs static batching | note |",
-        "| --- | ---: | ---: | ---: | ---: | --- |",
+        f"Load average when done: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+        f"(on a shared machine, compare the CPU-time columns).",
+        "",
+        "| contender | output tokens | wall s | tokens/s | vs static | CPU s | tokens/CPU s | vs static (CPU) | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         ratio = r.tokens_per_s / static.tokens_per_s if static.tokens_per_s else 0.0
-        lines.append(f"| {r.name} | {r.output_tokens} | {r.seconds:.2f} | {r.tokens_per_s:.1f} | {ratio:.2f}x | {r.note} |")
+        per_cpu = r.output_tokens / r.cpu_seconds if r.cpu_seconds else 0.0
+        cpu_ratio = per_cpu / (static.output_tokens / static.cpu_seconds) if static.cpu_seconds else 0.0
+        lines.append(
+            f"| {r.name} | {r.output_tokens} | {r.seconds:.2f} | {r.tokens_per_s:.1f} | {ratio:.2f}x "
+            f"| {r.cpu_seconds:.2f} | {per_cpu:.1f} | {cpu_ratio:.2f}x | {r.note} |"
+        )
     lines += [
         "",
         "| prefix cache (512-token shared prefix) | TTFT ms |",
@@ -239,6 +264,8 @@ def report(args: argparse.Namespace, jobs: list[Job], rows: list[Row], cached: f
     (RESULTS / f"batch_engine_{args.size}.md").write_text(text + "\n")
     payload = {
         "size": args.size,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg": os.getloadavg(),
         "requests": len(jobs),
         "rows": [{**vars(r), "tokens_per_s": r.tokens_per_s} for r in rows],
         "prefix_ttft_s": {"cached": cached, "uncached": uncached, "speedup": uncached / cached},

@@ -61,6 +61,7 @@ class AdmissionController:
         self.estimates: dict[str, PoolEstimate] = {}
         self.breakers: dict[str, CircuitBreaker] = {}
         self.feedback = LatencyFeedback(cfg.admission.feedback)
+        self._last_heard: dict[str, float] = {}
         routing = cfg.routing
         interactive_may_use = set(routing.pools["interactive"]) | set(routing.interactive_spill)
         self._shared = set(routing.pools["batch"]) & interactive_may_use
@@ -104,9 +105,12 @@ class AdmissionController:
     def _interactive(self, route: Route, budget: float, now: float) -> Decision:
         pred = route.prediction
         wait_budget = budget - pred.service_s
-        if wait_budget < 0:
-            return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
-        if pred.queue_wait_s > wait_budget:
+        if wait_budget < 0 or pred.queue_wait_s > wait_budget:
+            if self._probe_due(route.pool, now):
+                self.breaker(route.pool).acquire(now)
+                return Decision("admit", "probe", 200, 0.0, pred.total_s, route.pool, route.worker)
+            if wait_budget < 0:
+                return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
             retry = self._clamp_retry(pred.queue_wait_s - wait_budget)
             return Decision("shed", "overloaded", 429, retry, pred.total_s, route.pool, route.worker)
         self.breaker(route.pool).acquire(now)
@@ -141,6 +145,18 @@ class AdmissionController:
         self.breaker(pool).acquire(now)
         return Decision("admit", "queued", 200, 0.0, predicted, pool, worker)
 
+    def _probe_due(self, pool: str, now: float) -> bool:
+        """Whether to let one request through a pool that predictions say is too slow.
+
+        Costs are learned only from admitted requests; a pool that sheds everything would keep
+        its last (bad) estimate for ever. One probe per ``probe_interval_s`` of silence keeps
+        the estimate honest at a cost of a few requests a second that may miss the objective.
+        """
+        if now - self._last_heard.get(pool, 0.0) < self.cfg.admission.probe_interval_s:
+            return False
+        self._last_heard[pool] = now
+        return True
+
     def _interactive_load(self, signals: Mapping[str, PoolSignals]) -> float:
         demand = capacity = 0
         for pool in self.cfg.routing.pools["interactive"]:
@@ -170,6 +186,7 @@ class AdmissionController:
         costs, counts as a success for its breaker and, for interactive work, feeds the loop."""
         self.estimate(pool).observe(prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s,
                                     self.cfg.admission.estimator.alpha)
+        self._last_heard[pool] = now
         self.breaker(pool).record_success(now)
         if cls == "interactive":
             self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream))

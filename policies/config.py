@@ -113,6 +113,9 @@ class Admission(_Section, frozen=True):
     min_retry_after_s: PosFloat = 0.05
     max_retry_after_s: PosFloat = 30.0
     unavailable_retry_after_s: PosFloat = 1.0
+    probe_interval_s: PosFloat = 0.25
+    """A pool that has been shedding and silent this long gets one request through, so its
+    learned costs can recover once the overload passes."""
     estimator: Estimator = msgspec.field(default_factory=Estimator)
     feedback: Feedback = msgspec.field(default_factory=Feedback)
 

@@ -162,7 +162,7 @@ class StreamEngine:
         return self._batch.tokens_of(request_id)
 
     def kv_bytes(self) -> int:
-        prefill = sum(cache_bytes(self._streams[rid].cache) for rid in self._prefilling if self._streams[rid].cache)
+        prefill = sum(cache_bytes(self._streams[rid].cache) for rid in self._prefilling if self._streams[rid].cache is not None)
         return prefill + self._batch.nbytes()
 
     def _reject(self, request_id: str, message: str, prompt_tokens: int) -> None:
@@ -181,8 +181,7 @@ class StreamEngine:
         while len(self._prefilling) + len(self._batch) < self.max_batch:
             request_id = self._waiting.pop()
             if request_id is None:
-                return
-            self._streams[request_id].cache = new_cache()
+                break
             self._prefilling.append(request_id)
         self._prefilling.sort(key=lambda rid: self._streams[rid].request.deadline)
 
@@ -192,31 +191,99 @@ class StreamEngine:
         return self.prefill_cost.tokens_within(left_s, self.min_chunk, self.max_chunk)
 
     def _prefill(self, budget: int) -> list[StepOutput]:
-        """Spend ``budget`` prompt tokens on prefilling streams, earliest deadline first; a
-        stream whose prompt is done samples its first token now and joins the decode batch."""
-        outputs = []
-        for request_id in list(self._prefilling):
-            if budget <= 0:
-                break
+        """Spend ``budget`` prompt tokens (padding included), earliest deadline first.
+
+        Leading prompts that fit whole go through one padded forward pass together, which
+        is what keeps the first token of a burst of short requests cheap; the first prompt
+        that does not fit gets a chunk of what is left.
+        """
+        group: list[_Stream] = []
+        width = 0
+        chunked = None
+        for request_id in self._prefilling:
             stream = self._streams[request_id]
-            n = min(budget, len(stream.prompt_ids) - stream.prefilled)
-            budget -= n
+            length = len(stream.prompt_ids)
+            if stream.prefilled == 0 and max(width, length) * (len(group) + 1) <= budget:
+                group.append(stream)
+                width = max(width, length)
+            else:
+                chunked = stream
+                break
+        outputs = self._prefill_whole(group) if group else []
+        left = budget - width * len(group)
+        if chunked is not None and (not group or left >= self.min_chunk):
+            n = min(left, len(chunked.prompt_ids) - chunked.prefilled)
             try:
-                logits = self._prefill_chunk(stream, n)
+                logits = self._prefill_chunk(chunked, n)
             except Exception as exc:  # one request's failure must not take the engine down
-                outputs.append(self._fail(stream, exc))
-                continue
-            if logits is None:
-                continue
-            self._prefilling.remove(request_id)
-            token = sample(logits, [stream.tracker.params], [stream.generator], [[]], self.loaded.eos_token_ids)[0]
+                return outputs + [self._fail(chunked, exc)]
+            if logits is not None:
+                cache, chunked.cache = chunked.cache, None
+                mask = torch.ones(1, len(chunked.prompt_ids), dtype=torch.long, device=self.loaded.device)
+                outputs += self._start_decoding([chunked], logits, cache, mask)
+        return outputs
+
+    def _prefill_whole(self, group: list[_Stream]) -> list[StepOutput]:
+        began = time.perf_counter()
+        try:
+            logits, cache, mask = self._forward_prompts(group)
+        except Exception as exc:  # find the request at fault: alone, it fails only itself
+            if len(group) == 1:
+                return [self._fail(group[0], exc)]
+            return [o for stream in group for o in self._prefill_whole([stream])]
+        tokens = mask.shape[0] * mask.shape[1]
+        if tokens >= self.min_chunk:
+            self.prefill_cost.add(tokens, time.perf_counter() - began)
+        return self._start_decoding(group, logits, cache, mask)
+
+    def _forward_prompts(self, group: list[_Stream]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+        """One forward pass over whole prompts, left-padded so every row ends at its last
+        prompt token."""
+        device = self.loaded.device
+        width = max(len(s.prompt_ids) for s in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(group), width, dtype=torch.long, device=device)
+        for row, stream in enumerate(group):
+            n = len(stream.prompt_ids)
+            ids[row, width - n :] = torch.tensor(stream.prompt_ids, device=device)
+            mask[row, width - n :] = 1
+        cache = new_cache()
+        padded = not bool(mask.all())
+        out = self.loaded.model(
+            input_ids=ids,
+            attention_mask=mask if padded else None,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+            **{self._cache_arg: cache},
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._sync()
+        for stream in group:
+            stream.prefilled = len(stream.prompt_ids)
+        return out.logits[:, -1, :], cache, mask
+
+    def _start_decoding(
+        self, streams: list[_Stream], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor
+    ) -> list[StepOutput]:
+        """Sample the first tokens from the prompts' last logits; the requests that go on
+        join the decode batch."""
+        tokens = sample(
+            logits,
+            [s.tracker.params for s in streams],
+            [s.generator for s in streams],
+            [[] for _ in streams],
+            self.loaded.eos_token_ids,
+        )
+        outputs, finished = [], set()
+        for stream, token in zip(streams, tokens):
+            self._prefilling.remove(stream.request.id)
             text, reason = stream.tracker.append(token)
             outputs.append(stream.output(text, [token], reason))
-            cache, stream.cache = stream.cache, None
-            if reason is None:
-                self._batch.join(request_id, cache, token)
-            else:
-                del self._streams[request_id]
+            if reason is not None:
+                finished.add(stream.request.id)
+                del self._streams[stream.request.id]
+        self._batch.join([s.request.id for s in streams], cache, mask, tokens)
+        self._batch.leave(finished)
         return outputs
 
     def _prefill_chunk(self, stream: _Stream, n: int) -> torch.Tensor | None:
@@ -231,6 +298,8 @@ class StreamEngine:
     def _forward_prompt(self, stream: _Stream, n: int) -> torch.Tensor | None:
         start = stream.prefilled
         device = self.loaded.device
+        if stream.cache is None:
+            stream.cache = new_cache()
         out = self.loaded.model(
             input_ids=torch.tensor([stream.prompt_ids[start : start + n]], device=device),
             position_ids=torch.arange(start, start + n, device=device).unsqueeze(0),
@@ -298,7 +367,7 @@ class StreamEngine:
             for _ in range(2):
                 timings = []
                 for length in (1, n):
-                    stream = _Stream(EngineRequest("warmup", None, 0.0), ids[:length], None, None, new_cache())  # type: ignore[arg-type]
+                    stream = _Stream(EngineRequest("warmup", None, 0.0), ids[:length], None, None)  # type: ignore[arg-type]
                     began = time.perf_counter()
                     self._forward_prompt(stream, length)
                     timings.append(time.perf_counter() - began)

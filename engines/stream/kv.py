@@ -72,27 +72,26 @@ class DecodeBatch:
     def nbytes(self) -> int:
         return cache_bytes(self.cache) if self.cache is not None else 0
 
-    def join(self, request_id: str, cache: DynamicCache, last_token: int) -> None:
-        """Add a request whose prefill just ended; ``cache`` holds its whole prompt."""
-        length = cache_length(cache)
-        row_mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+    def join(self, request_ids: list[str], cache: DynamicCache, mask: torch.Tensor, last_tokens: list[int]) -> None:
+        """Add requests whose prefill just ended: ``cache`` holds their prompts as rows,
+        left-padded as ``mask`` says."""
         if self.cache is None:
-            self.cache, self.mask = cache, row_mask
+            self.cache, self.mask = cache, mask
         else:
-            width = self.mask.shape[1]
-            if length < width:
-                _map(cache, lambda t: F.pad(t, (0, 0, width - length, 0)))
-                row_mask = F.pad(row_mask, (width - length, 0))
-            elif length > width:
-                _map(self.cache, lambda t: F.pad(t, (0, 0, length - width, 0)))
-                self.mask = F.pad(self.mask, (length - width, 0))
-            for mine, theirs in zip(self.cache.layers, cache.layers):
-                mine.keys = torch.cat([mine.keys, theirs.keys])
-                mine.values = torch.cat([mine.values, theirs.values])
-            self.mask = torch.cat([self.mask, row_mask])
-        self.ids.append(request_id)
-        self.last_tokens.append(last_token)
-        self.positions.append(length)
+            width, theirs = self.mask.shape[1], mask.shape[1]
+            if theirs < width:
+                _map(cache, lambda t: F.pad(t, (0, 0, width - theirs, 0)))
+                mask = F.pad(mask, (width - theirs, 0))
+            elif theirs > width:
+                _map(self.cache, lambda t: F.pad(t, (0, 0, theirs - width, 0)))
+                self.mask = F.pad(self.mask, (theirs - width, 0))
+            for mine, new in zip(self.cache.layers, cache.layers):
+                mine.keys = torch.cat([mine.keys, new.keys])
+                mine.values = torch.cat([mine.values, new.values])
+            self.mask = torch.cat([self.mask, mask])
+        self.ids.extend(request_ids)
+        self.last_tokens.extend(last_tokens)
+        self.positions.extend(mask.sum(dim=1).tolist())
 
     def leave(self, request_ids: set[str]) -> None:
         """Drop rows and give their memory back."""

@@ -112,7 +112,7 @@ async def test_stalled_stream_reader_does_not_hurt_others(redis_server: LocalRed
     gateway_pid = stack.procs[0].pid
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
-        body = (b'{"model": "%s", "prompt": "go", "max_tokens": 4000, "stream": true}' % MODEL.encode())
+        body = (b'{"model": "%s", "prompt": "go", "max_tokens": 1500, "stream": true}' % MODEL.encode())
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         await writer.drain()

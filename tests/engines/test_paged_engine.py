@@ -44,6 +44,8 @@ def reference(tiny_model_dir: Path) -> dict[str, list[int]]:
 
 
 def _engine(model_dir: Path, **options: Any) -> PagedEngine:
+    """A small pool unless a test asks otherwise: tests need a few thousand tokens of cache."""
+    options.setdefault("num_blocks", 256)
     return create(str(model_dir), dtype="fp32", device="cpu", **options)
 
 

@@ -20,6 +20,16 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model gains nothing from a second thread, and on a shared 2-core machine
+    two threads that spin-wait for each other are several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir), dtype="fp32", device="cpu")

@@ -213,3 +213,17 @@ def test_multiple_pools_per_class_take_the_least_loaded() -> None:
     d = AdmissionController(cfg).decide(cls="interactive", stream=True, prompt_tokens=10, max_tokens=50,
                                         signals=sig, now=0.0)
     assert (d.pool, d.worker) == ("b", "b1")
+
+
+def test_a_silent_shedding_pool_gets_one_probe_per_interval() -> None:
+    ctl = AdmissionController(CFG)
+    overloaded = signals(i_depth=200, i_running=8, b_depth=500, b_running=64)
+    interval = CFG.admission.probe_interval_s
+    now = 100.0
+    first = ask(ctl, overloaded, now=now)
+    assert (first.outcome, first.reason) == ("admit", "probe"), "a pool never heard from may be probed"
+    assert not ask(ctl, overloaded, now=now + interval / 2).admitted
+    assert ask(ctl, overloaded, now=now + interval).reason == "probe"
+    ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
+                queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval)
+    assert not ask(ctl, overloaded, now=now + 2.5 * interval).admitted, "a pool just heard from is not probed"
