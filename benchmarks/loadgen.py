@@ -31,6 +31,7 @@ class Sample:
     ttft: float | None = None
     started: float = 0.0
     retry_after: float | None = None
+    streamed: bool = False
 
 
 @dataclass
@@ -84,7 +85,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, row: dict[str, A
     except (aiohttp.ClientError, asyncio.TimeoutError):
         status = 0
     latency = time.perf_counter() - start
-    return Sample(row.get("class_hint", "interactive"), status, latency, ttft, start, retry_after)
+    return Sample(row.get("class_hint", "interactive"), status, latency, ttft, start, retry_after,
+                  bool(body.get("stream")))
 
 
 async def closed_loop(url: str, workload: Workload, concurrency: int, duration: float) -> list[Sample]:

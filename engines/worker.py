@@ -28,6 +28,7 @@ from engines.base import Engine, EngineRequest, StepOutput
 from engines.metrics import WorkerMetrics
 from slogate import keys, protocol, tracing
 from slogate.config import Config
+from slogate.crypto import Sealer, SealError
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
 
 log = logging.getLogger("slogate.worker")
@@ -61,8 +62,10 @@ class _InFlight:
 
 
 class Worker:
-    def __init__(self, engine: Engine, redis: aioredis.Redis, settings: WorkerSettings) -> None:
+    def __init__(self, engine: Engine, redis: aioredis.Redis, settings: WorkerSettings,
+                 sealer: Sealer | None = None) -> None:
         self.engine = engine
+        self.sealer = sealer or Sealer()
         self.redis = redis
         self.s = settings
         self.queue = keys.queue(settings.pool)
@@ -146,8 +149,9 @@ class Worker:
         drop: list[bytes] = []
         for entry_id, fields in entries:
             try:
-                req = protocol.decode_request(fields[protocol.FIELD])
-            except (protocol.ProtocolError, KeyError) as exc:
+                request_id = fields.get(protocol.ID_FIELD, b"")
+                req = protocol.decode_request(self.sealer.open(fields[protocol.FIELD], request_id))
+            except (protocol.ProtocolError, SealError, KeyError) as exc:
                 log.error("dropping unreadable entry %s on %s: %s", entry_id, self.queue, exc)
                 self.metrics.dropped.inc()
                 drop.append(entry_id)
@@ -321,7 +325,7 @@ class Worker:
         """Append to the request's result stream; its first write also sets the stream's TTL,
         so a stream nobody reads (its gateway died) still goes away."""
         key = keys.result(job.req.id)
-        p.xadd(key, {protocol.FIELD: protocol.encode(msg)})
+        p.xadd(key, {protocol.FIELD: self.sealer.seal(protocol.encode(msg), job.req.id.encode())})
         if not job.expiring:
             job.expiring = True
             ttl = max(1.0, job.req.deadline - time.time()) + self.s.result_ttl_s
@@ -408,7 +412,8 @@ async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(
         pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
-        claim_idle_s=cfg.claim_idle_s, max_attempts=cfg.max_attempts, result_ttl_s=cfg.result_ttl_s))
+        claim_idle_s=cfg.claim_idle_s, max_attempts=cfg.max_attempts, result_ttl_s=cfg.result_ttl_s),
+        Sealer.from_text(cfg.encryption_keys))
     if metrics_port:
         start_http_server(metrics_port, registry=worker.metrics.registry)
     loop = asyncio.get_running_loop()

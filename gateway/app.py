@@ -28,6 +28,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.workers import WorkerDirectory
 from slogate import logs, tracing
 from slogate.config import Config
+from slogate.crypto import Sealer
 
 log = logging.getLogger("slogate.gateway")
 _AUDITED = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -140,10 +141,13 @@ def _resources(cfg: Config):
         reader = aioredis.Redis.from_url(url, single_connection_client=True,
                                          socket_connect_timeout=2, socket_timeout=None)
         batcher = CommandBatcher(commands)
+        sealer = Sealer.from_text(cfg.encryption_keys)
         state = GatewayState(
-            cfg, commands, batcher, ResultMux(reader, batcher),
+            cfg, commands, batcher, ResultMux(reader, batcher, sealer),
             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics(),
-            AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands))
+            AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands), sealer)
+        if sealer.enabled:
+            log.info("prompts and completions in Redis are sealed with key %r", sealer.key_ids[0])
         if not state.keys.enabled:
             log.warning("authentication is OFF: anyone who reaches this port can use it; "
                         "configure api_keys for anything but local use")

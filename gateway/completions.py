@@ -125,7 +125,9 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     try:
         with tracing.span("enqueue", **{"slogate.pool": pool}):
             try:
-                await state.batcher.call("XADD", keys.queue(pool), "*", protocol.FIELD, protocol.encode(gen))
+                sealed = state.sealer.seal(protocol.encode(gen), request_id.encode())
+                await state.batcher.call("XADD", keys.queue(pool), "*", protocol.ID_FIELD, request_id,
+                                         protocol.FIELD, sealed)
             except (RedisError, OSError) as exc:
                 raise APIError(503, f"cannot queue the request: Redis is unavailable ({exc})", None,
                                "redis_unavailable") from None

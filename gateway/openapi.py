@@ -119,9 +119,10 @@ def _json(name: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}
 
 
-def openapi_document(example_model: str = "slogate-sim") -> dict[str, Any]:
-    """The document served at ``/openapi.json``; ``example_model`` fills the request examples,
-    which fuzzers start from, so that some of their requests reach a worker."""
+def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
+    """The document served at ``/openapi.json``. ``example_model`` fills the request examples
+    (``tiny`` is what ``slogate up`` serves); fuzzers start from them, so a test names the model
+    its workers serve to get requests past the model check."""
     _, request_schemas = msgspec.json.schema_components((ChatBody, CompletionBody), ref_template=_REF)
     chat_example = {"model": example_model, "max_tokens": 8,
                     "messages": [{"role": "user", "content": "Score txn 1: 10 EUR at merchant 5"}]}

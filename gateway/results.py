@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from gateway.batcher import CommandBatcher
 from slogate import keys, protocol
+from slogate.crypto import Sealer, SealError
 from slogate.protocol import Error, Result
 
 log = logging.getLogger("slogate.gateway")
@@ -32,9 +33,10 @@ class Subscription:
 
 
 class ResultMux:
-    def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, block_ms: int = 2000,
-                 count: int = 256) -> None:
+    def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, sealer: Sealer,
+                 block_ms: int = 2000, count: int = 256) -> None:
         self.redis = redis
+        self.sealer = sealer
         self.batcher = batcher
         self.block_ms = block_ms
         self.count = count
@@ -88,7 +90,7 @@ class ResultMux:
                     continue
                 sub.last_id = entries[-1][0]
                 for _, fields in entries:
-                    sub.records.put_nowait(_decode(fields))
+                    sub.records.put_nowait(self._decode(sub, fields))
 
     def _fail_all(self, message: str) -> None:
         for sub in list(self._subs.values()):
@@ -101,10 +103,10 @@ class ResultMux:
             pass
 
 
-def _decode(fields: dict[bytes, bytes]) -> Result:
-    try:
-        return protocol.decode_result(fields[protocol.FIELD])
-    except (protocol.ProtocolError, KeyError) as exc:
-        log.error("unreadable result record: %s", exc)
-        return Error(f"a worker sent a record this gateway cannot read ({exc})",
-                     "protocol_mismatch", 502, attempt=0)
+    def _decode(self, sub: Subscription, fields: dict[bytes, bytes]) -> Result:
+        try:
+            return protocol.decode_result(self.sealer.open(fields[protocol.FIELD], sub.request_id.encode()))
+        except (protocol.ProtocolError, SealError, KeyError) as exc:
+            log.error("unreadable result record: %s", exc)
+            return Error(f"a worker sent a record this gateway cannot read ({exc})",
+                         "protocol_mismatch", 502, attempt=0)

@@ -17,6 +17,7 @@ from gateway.workers import WorkerDirectory
 from policies.admission import AdmissionController
 from slogate import keys
 from slogate.config import Config
+from slogate.crypto import Sealer
 
 
 @dataclass
@@ -30,6 +31,7 @@ class GatewayState:
     admission: AdmissionController
     keys: KeyStore
     limiter: RateLimiter
+    sealer: Sealer
     draining: bool = False
     in_flight: int = 0
     started_at: float = field(default_factory=time.time)

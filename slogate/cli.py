@@ -73,6 +73,12 @@ def cmd_audit_export(args: argparse.Namespace, cfg: Config) -> None:
         print(line)
 
 
+def cmd_gen_key(args: argparse.Namespace, cfg: Config) -> None:
+    from slogate.crypto import generate_key
+
+    print(f"{args.id}:{generate_key()}")
+
+
 def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
     from slogate.up import run_up
 
@@ -111,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     au = sub.add_parser("audit-export", help="print the audit trail as JSON lines, oldest first")
     au.add_argument("--count", type=int, help="at most this many records")
     au.set_defaults(func=cmd_audit_export)
+
+    gk = sub.add_parser("gen-key", help="print a new AES-256 key entry for encryption_keys")
+    gk.add_argument("--id", default="k1", help="the key's id in the ring")
+    gk.set_defaults(func=cmd_gen_key)
 
     hk = sub.add_parser("hash-key", help="print the sha256 of an API key for the api_keys config")
     hk.add_argument("secret", nargs="?", help="the key (default: read one line from stdin)")

@@ -54,6 +54,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
     """Local directory or hub id served by the real engines; unset builds the tiny model."""
     pools: dict[str, PoolConfig] = msgspec.field(default_factory=_default_pools)
+    encryption_keys: str | None = None
+    """``id:base64key,...``: prompts and completions in Redis are sealed with AES-256-GCM under
+    the first key; every key opens (rotation: see README). ``slogate gen-key`` makes one."""
     api_keys: list[ApiKeyConfig] = []
     """Empty: no authentication (local use; the gateway warns at start)."""
     policies: PolicyConfig = msgspec.field(default_factory=PolicyConfig)

@@ -14,6 +14,8 @@ import msgspec
 
 VERSION = 1
 FIELD = b"m"
+ID_FIELD = b"id"
+"""A queue entry carries its request id in the clear: it is the key that opens a sealed message."""
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 

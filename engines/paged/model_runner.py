@@ -26,6 +26,17 @@ GROUP_SPREAD = 1.5
 allows is traded against one more attention call per layer."""
 
 
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: PagedMetadata
+    sampled: list[int]
+    """Positions in the schedule of the sequences that sample a token this step."""
+    logit_rows: torch.Tensor
+    """Where their last tokens sit in the flattened batch row."""
+
+
 @dataclass(frozen=True)
 class KVShape:
     layers: int
@@ -64,18 +75,17 @@ class ModelRunner:
     def run(self, sched: Schedule) -> tuple[list[int], torch.Tensor]:
         """Logits [n, vocab] of the next token for the sequences that sample one this step,
         with their positions in ``sched``."""
-        input_ids, positions, meta, sampled, rows = self.prepare(sched)
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            logits_to_keep=rows,
+        inputs = self.prepare(sched)
+        logits = self.model(
+            input_ids=inputs.input_ids.unsqueeze(0),
+            position_ids=inputs.positions.unsqueeze(0),
+            logits_to_keep=inputs.logit_rows,
             use_cache=False,
-            paged=meta,
-        )
-        logits = out.logits
-        return sampled, logits[0] if logits.dim() == 3 else logits
+            paged=inputs.meta,
+        ).logits
+        return inputs.sampled, logits[0] if logits.dim() == 3 else logits
 
-    def prepare(self, sched: Schedule) -> tuple[torch.Tensor, torch.Tensor, PagedMetadata, list[int], torch.Tensor]:
+    def prepare(self, sched: Schedule) -> StepInputs:
         seqs, counts = sched.seqs, sched.num_new_tokens
         decodes = sorted((i for i in range(len(seqs)) if counts[i] == 1), key=lambda i: seqs[i].num_computed_tokens)
         prefills = [i for i in range(len(seqs)) if counts[i] > 1]
@@ -103,7 +113,7 @@ class ModelRunner:
         )
         sampled = [i for i in range(len(seqs)) if sched.samples(i)]
         rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long, device=self.device)
-        return torch.tensor(ids, dtype=torch.long, device=self.device), positions, meta, sampled, rows
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=self.device), positions, meta, sampled, rows)
 
     def _slot_mapping(self, tables: list[list[int]], counts: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Cache slot of every token of the step: its sequence's block for its position."""

@@ -12,17 +12,16 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from engines.base import EngineLoad, EngineRequest, StepOutput
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.loader import LoadedModel
 from engines.runtime.sampling import make_generator, sample
-from engines.stream.kv import DecodeBatch, cache_argument, cache_bytes, cache_length, new_cache
+from engines.stream.kv import DecodeBatch, GrowingCache, cache_argument, cache_bytes, cache_length, new_cache
 from engines.stream.schedule import EdfQueue, Ewma, PrefillCost
 from slogate.protocol import FinishReason
 
-_WARMUP_TOKENS = 64
+_WARMUP_TOKENS = 256
 
 
 @dataclass
@@ -31,7 +30,7 @@ class _Stream:
     prompt_ids: list[int]
     tracker: OutputTracker
     generator: torch.Generator | None
-    cache: DynamicCache | None = None
+    cache: GrowingCache | None = None
     prefilled: int = 0
 
     def output(self, text: str = "", tokens: list[int] | None = None, reason: FinishReason | None = None) -> StepOutput:
@@ -73,7 +72,7 @@ class StreamEngine:
         self.min_chunk = min_prefill_chunk
         self.max_chunk = max_prefill_chunk
         self.enforce_deadline = enforce_deadline
-        self.prefill_cost = PrefillCost(fixed_s=Ewma(), per_token_s=Ewma())
+        self.prefill_cost = PrefillCost(0.0, 0.0, 0.0)
         self.decode_step_s = Ewma()
         self._streams: dict[str, _Stream] = {}
         self._waiting = EdfQueue()
@@ -135,7 +134,7 @@ class StreamEngine:
                 outputs += self._decode()
             if self._prefilling:
                 left = self.budget_s - (time.perf_counter() - started)
-                outputs += self._prefill(self._chunk_tokens(left))
+                outputs += self._prefill(left)
         return outputs
 
     def load(self) -> EngineLoad:
@@ -145,12 +144,12 @@ class StreamEngine:
             waiting=len(self._waiting),
             capacity=self.max_batch,
             kv_usage=kv_tokens / (self.max_batch * self.max_context),
-            prefill_s_per_token=self.prefill_cost.per_token_s.value,
+            prefill_s_per_token=self.prefill_cost.observed_per_token_s.value,
             decode_step_s=self.decode_step_s.value,
             extra={
                 "kv_bytes": float(self.kv_bytes()),
-                "prefill_fixed_s": self.prefill_cost.fixed_s.value,
-                "prefill_chunk_tokens": float(self._chunk_tokens(self.budget_s)),
+                "prefill_fixed_s": self.prefill_cost.fixed_s,
+                "prefill_chunk_tokens": float(self._chunk_tokens(self.budget_s, 0)),
             },
         )
 
@@ -185,43 +184,46 @@ class StreamEngine:
             self._prefilling.append(request_id)
         self._prefilling.sort(key=lambda rid: self._streams[rid].request.deadline)
 
-    def _chunk_tokens(self, left_s: float) -> int:
+    def _chunk_tokens(self, left_s: float, start: int) -> int:
         if self.fixed_chunk is not None:
             return self.fixed_chunk
-        return self.prefill_cost.tokens_within(left_s, self.min_chunk, self.max_chunk)
+        return self.prefill_cost.tokens_within(left_s, start, self.min_chunk, self.max_chunk)
 
-    def _prefill(self, budget: int) -> list[StepOutput]:
-        """Spend ``budget`` prompt tokens (padding included), earliest deadline first.
+    def _fits_whole(self, rows: int, width: int, left_s: float) -> bool:
+        if self.fixed_chunk is not None:
+            return rows * width <= self.fixed_chunk
+        return width <= self.max_chunk and self.prefill_cost.predict(rows, width) <= left_s
+
+    def _prefill(self, left_s: float) -> list[StepOutput]:
+        """Spend what is left of the step on prompts, earliest deadline first.
 
         Leading prompts that fit whole go through one padded forward pass together, which
-        is what keeps the first token of a burst of short requests cheap; the first prompt
-        that does not fit gets a chunk of what is left.
+        keeps the first token of a burst of short requests cheap. Otherwise the first prompt
+        gets the biggest chunk that fits, and always at least a small one.
         """
         group: list[_Stream] = []
         width = 0
-        chunked = None
         for request_id in self._prefilling:
             stream = self._streams[request_id]
-            length = len(stream.prompt_ids)
-            if stream.prefilled == 0 and max(width, length) * (len(group) + 1) <= budget:
-                group.append(stream)
-                width = max(width, length)
-            else:
-                chunked = stream
+            widest = max(width, len(stream.prompt_ids))
+            if stream.prefilled > 0 or not self._fits_whole(len(group) + 1, widest, left_s):
                 break
-        outputs = self._prefill_whole(group) if group else []
-        left = budget - width * len(group)
-        if chunked is not None and (not group or left >= self.min_chunk):
-            n = min(left, len(chunked.prompt_ids) - chunked.prefilled)
-            try:
-                logits = self._prefill_chunk(chunked, n)
-            except Exception as exc:  # one request's failure must not take the engine down
-                return outputs + [self._fail(chunked, exc)]
-            if logits is not None:
-                cache, chunked.cache = chunked.cache, None
-                mask = torch.ones(1, len(chunked.prompt_ids), dtype=torch.long, device=self.loaded.device)
-                outputs += self._start_decoding([chunked], logits, cache, mask)
-        return outputs
+            group.append(stream)
+            width = widest
+        if group:
+            return self._prefill_whole(group)
+        stream = self._streams[self._prefilling[0]]
+        start = stream.prefilled
+        n = min(self._chunk_tokens(left_s, start), len(stream.prompt_ids) - start)
+        try:
+            logits = self._prefill_chunk(stream, n)
+        except Exception as exc:  # one request's failure must not take the engine down
+            return [self._fail(stream, exc)]
+        if logits is None:
+            return []
+        cache, stream.cache = stream.cache, None
+        mask = torch.ones(1, len(stream.prompt_ids), dtype=torch.long, device=self.loaded.device)
+        return self._start_decoding([stream], logits, cache, mask)
 
     def _prefill_whole(self, group: list[_Stream]) -> list[StepOutput]:
         began = time.perf_counter()
@@ -231,12 +233,12 @@ class StreamEngine:
             if len(group) == 1:
                 return [self._fail(group[0], exc)]
             return [o for stream in group for o in self._prefill_whole([stream])]
-        tokens = mask.shape[0] * mask.shape[1]
-        if tokens >= self.min_chunk:
-            self.prefill_cost.add(tokens, time.perf_counter() - began)
+        rows, width = mask.shape
+        if rows * width >= self.min_chunk:
+            self.prefill_cost.add(rows, width, 0, time.perf_counter() - began)
         return self._start_decoding(group, logits, cache, mask)
 
-    def _forward_prompts(self, group: list[_Stream]) -> tuple[torch.Tensor, DynamicCache, torch.Tensor]:
+    def _forward_prompts(self, group: list[_Stream]) -> tuple[torch.Tensor, GrowingCache, torch.Tensor]:
         """One forward pass over whole prompts, left-padded so every row ends at its last
         prompt token."""
         device = self.loaded.device
@@ -263,7 +265,7 @@ class StreamEngine:
         return out.logits[:, -1, :], cache, mask
 
     def _start_decoding(
-        self, streams: list[_Stream], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor
+        self, streams: list[_Stream], logits: torch.Tensor, cache: GrowingCache, mask: torch.Tensor
     ) -> list[StepOutput]:
         """Sample the first tokens from the prompts' last logits; the requests that go on
         join the decode batch."""
@@ -292,7 +294,7 @@ class StreamEngine:
         began = time.perf_counter()
         logits = self._forward_prompt(stream, n)
         if n >= self.min_chunk:
-            self.prefill_cost.add(n, time.perf_counter() - began)
+            self.prefill_cost.add(1, n, stream.prefilled - n, time.perf_counter() - began)
         return logits
 
     def _forward_prompt(self, stream: _Stream, n: int) -> torch.Tensor | None:
@@ -336,10 +338,7 @@ class StreamEngine:
                 finished.add(stream.request.id)
                 del self._streams[stream.request.id]
         self._batch.leave(finished)
-        elapsed = time.perf_counter() - began
-        self.decode_step_s.add(elapsed)
-        if len(streams) == 1:
-            self.prefill_cost.fixed_s.add(elapsed)
+        self.decode_step_s.add(time.perf_counter() - began)
         return outputs
 
     def _fail(self, stream: _Stream, exc: Exception) -> StepOutput:
@@ -357,20 +356,23 @@ class StreamEngine:
             torch.cuda.synchronize(self.loaded.device)
 
     def _warmup(self) -> None:
-        """Measure what a forward pass costs before the first request, so the first long
-        prompt is already chunked to fit the budget: a one-token pass gives the fixed cost,
-        a longer one the cost per token."""
-        n = min(_WARMUP_TOKENS, self.max_context - 1)
+        """Measure what prefill costs before the first request, so the first long prompt is
+        already chunked to fit the budget: a one-token pass gives the fixed cost, and passes
+        at the start and deep in the context the cost per token and its growth with
+        position. The fastest of a few runs filters out a busy host."""
+        n = min(_WARMUP_TOKENS, self.max_context // 4)
+        far = min(4 * n, self.max_context - n)
         vocab = self.loaded.model.config.get_text_config().vocab_size
-        ids = [i % vocab for i in range(n)]
+        ids = [i % vocab for i in range(far + n)]
+        best = {"fixed": float("inf"), "near": float("inf"), "far": float("inf")}
         with torch.inference_mode():
-            for _ in range(2):
-                timings = []
-                for length in (1, n):
-                    stream = _Stream(EngineRequest("warmup", None, 0.0), ids[:length], None, None)  # type: ignore[arg-type]
+            for _ in range(3):
+                for key, start, length in (("fixed", 0, 1), ("near", 0, n), ("far", far, n)):
+                    stream = _Stream(EngineRequest("warmup", None, 0.0), ids[: start + length], None, None)  # type: ignore[arg-type]
+                    if start:
+                        self._forward_prompt(stream, start)
                     began = time.perf_counter()
                     self._forward_prompt(stream, length)
-                    timings.append(time.perf_counter() - began)
-        fixed, full = timings
-        self.prefill_cost = PrefillCost(Ewma(fixed), Ewma(max(full - fixed, 0.0) / max(n - 1, 1)))
-        self.decode_step_s = Ewma(fixed)
+                    best[key] = min(best[key], time.perf_counter() - began)
+        self.prefill_cost = PrefillCost.fit(best["fixed"], n, best["near"], far, best["far"])
+        self.decode_step_s = Ewma(best["fixed"])

@@ -2,8 +2,8 @@
 for all decoding requests, so a decode step is a single forward pass.
 
 Rows join the decode cache when their prefill ends and leave it when they finish or are
-aborted. A row's tensors are copied out of the shared ones on every change, so a request that
-leaves frees its memory at once instead of lingering in a view.
+aborted. The remaining rows are copied out of the shared tensors on every such change, so a
+request that leaves frees its memory at once instead of lingering in a view.
 """
 
 from __future__ import annotations
@@ -13,10 +13,60 @@ import inspect
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
 
 
-def new_cache() -> DynamicCache:
-    return DynamicCache()
+class GrowingLayer(DynamicLayer):
+    """A cache layer with spare room at the end.
+
+    transformers' dynamic layer concatenates on every update, copying the whole cache each
+    decode step; with a long context that copy costs more than the step's attention. Here a
+    step writes in place, and the buffer grows by a quarter when full.
+    """
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.replace(key_states[:, :, :0], value_states[:, :, :0])
+        length = self.length + key_states.shape[-2]
+        if length > self.key_buffer.shape[-2]:
+            self._grow(length + max(length // 4, 64))
+        self.key_buffer[:, :, self.length : length] = key_states
+        self.value_buffer[:, :, self.length : length] = value_states
+        self.length = length
+        self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+        return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Take these tensors as the whole content (after rows joined or left)."""
+        self.key_buffer, self.value_buffer = keys, values
+        self.keys, self.values = keys, values
+        self.length = keys.shape[-2]
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.key_buffer, self.value_buffer))
+
+
+class GrowingCache(DynamicCache):
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
+
+
+def new_cache() -> GrowingCache:
+    return GrowingCache()
 
 
 def cache_argument(model: PreTrainedModel) -> str:
@@ -25,22 +75,17 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def cache_length(cache: DynamicCache) -> int:
+def cache_length(cache: GrowingCache) -> int:
     return cache.get_seq_length()
 
 
-def cache_bytes(cache: DynamicCache) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for layer in cache.layers
-        if layer.is_initialized
-        for t in (layer.keys, layer.values)
-    )
+def cache_bytes(cache: GrowingCache) -> int:
+    return sum(layer.nbytes() for layer in cache.layers)
 
 
-def _map(cache: DynamicCache, fn) -> None:
+def _map(cache: GrowingCache, fn) -> None:
     for layer in cache.layers:
-        layer.keys, layer.values = fn(layer.keys), fn(layer.values)
+        layer.replace(fn(layer.keys), fn(layer.values))
 
 
 class DecodeBatch:
@@ -55,7 +100,7 @@ class DecodeBatch:
         self.device = device
         self.ids: list[str] = []
         self.last_tokens: list[int] = []
-        self.cache: DynamicCache | None = None
+        self.cache: GrowingCache | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.positions: list[int] = []
 
@@ -72,7 +117,7 @@ class DecodeBatch:
     def nbytes(self) -> int:
         return cache_bytes(self.cache) if self.cache is not None else 0
 
-    def join(self, request_ids: list[str], cache: DynamicCache, mask: torch.Tensor, last_tokens: list[int]) -> None:
+    def join(self, request_ids: list[str], cache: GrowingCache, mask: torch.Tensor, last_tokens: list[int]) -> None:
         """Add requests whose prefill just ended: ``cache`` holds their prompts as rows,
         left-padded as ``mask`` says."""
         if self.cache is None:
@@ -86,8 +131,7 @@ class DecodeBatch:
                 _map(self.cache, lambda t: F.pad(t, (0, 0, theirs - width, 0)))
                 self.mask = F.pad(self.mask, (theirs - width, 0))
             for mine, new in zip(self.cache.layers, cache.layers):
-                mine.keys = torch.cat([mine.keys, new.keys])
-                mine.values = torch.cat([mine.values, new.values])
+                mine.replace(torch.cat([mine.keys, new.keys]), torch.cat([mine.values, new.values]))
             self.mask = torch.cat([self.mask, mask])
         self.ids.extend(request_ids)
         self.last_tokens.extend(last_tokens)
@@ -110,7 +154,7 @@ class DecodeBatch:
         _map(self.cache, lambda t: t.index_select(0, index)[:, :, cut:].clone())
         self.mask = self.mask.index_select(0, index)[:, cut:].clone()
 
-    def forward_inputs(self, cache_arg: str) -> dict[str, torch.Tensor | DynamicCache | None]:
+    def forward_inputs(self, cache_arg: str) -> dict[str, torch.Tensor | GrowingCache | None]:
         """Inputs for one decode step over every row."""
         mask = torch.cat([self.mask, self.mask.new_ones(len(self.ids), 1)], dim=1)
         return {

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 
 class EdfQueue:
@@ -55,24 +56,57 @@ class Ewma:
 
 @dataclass
 class PrefillCost:
-    """Prefill time as a fixed cost per forward pass plus a cost per prompt token.
+    """What a prefill forward pass costs: a fixed part, plus for each prompt token a part for
+    the layers and a part that grows with how far into the context the token sits
+    (attention reads every earlier position).
 
-    Dividing a chunk's time by its length would fold the fixed cost into the per-token
-    figure; small chunks would then look dear, the next chunk would be sized smaller still,
-    and chunking would spiral down to its minimum.
+    Without the context part, a chunk sized at the start of a long prompt would overrun the
+    budget deep inside it. ``scale`` follows measured passes, so a busier host or a warmer
+    cache moves every prediction together.
     """
 
-    fixed_s: Ewma
-    per_token_s: Ewma
+    fixed_s: float
+    per_token_s: float
+    per_token_per_position_s: float
+    scale: Ewma = field(default_factory=lambda: Ewma(1.0))
+    observed_per_token_s: Ewma = field(default_factory=Ewma)
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self.per_token_s.add(max(seconds - self.fixed_s.value, 0.0) / tokens)
+    @classmethod
+    def fit(cls, fixed_s: float, tokens: int, near_s: float, far_start: int, far_s: float) -> PrefillCost:
+        """From a one-token pass, and passes of ``tokens`` tokens at position 0 and at
+        ``far_start``."""
+        near = max(near_s - fixed_s, 0.0) / tokens
+        far = max(far_s - fixed_s, 0.0) / tokens
+        per_position = max(far - near, 0.0) / far_start if far_start else 0.0
+        per_token = max(near - per_position * tokens / 2, near / 2, 1e-9)
+        cost = cls(fixed_s, per_token, per_position)
+        cost.observed_per_token_s.add(near)
+        return cost
 
-    def tokens_within(self, seconds: float, min_tokens: int, max_tokens: int) -> int:
-        """Prompt tokens one forward pass can take in ``seconds``, never below ``min_tokens``:
-        a prompt must make progress even when decoding alone fills the budget, or a full
-        batch would starve the newcomer."""
-        if self.per_token_s.value <= 0.0:
-            return max_tokens
-        fit = int((seconds - self.fixed_s.value) / self.per_token_s.value)
-        return max(min_tokens, min(max_tokens, fit))
+    def _work(self, rows: int, width: int, start: int) -> float:
+        return rows * width * (self.per_token_s + self.per_token_per_position_s * (start + width / 2))
+
+    def predict(self, rows: int, width: int, start: int = 0) -> float:
+        """Seconds for ``rows`` prompts of ``width`` tokens each, starting at ``start``."""
+        return self.fixed_s + self.scale.value * self._work(rows, width, start)
+
+    def add(self, rows: int, width: int, start: int, seconds: float) -> None:
+        work = self._work(rows, width, start)
+        if work > 0:
+            self.scale.add(max(seconds - self.fixed_s, 0.0) / work)
+        self.observed_per_token_s.add(max(seconds - self.fixed_s, 0.0) / (rows * width))
+
+    def tokens_within(self, seconds: float, start: int, min_tokens: int, max_tokens: int) -> int:
+        """Prompt tokens one pass can take from position ``start`` in ``seconds``, never
+        below ``min_tokens``: a prompt must make progress even when decoding alone fills the
+        budget, or a full batch would starve the newcomer."""
+        quadratic = self.scale.value * self.per_token_per_position_s / 2
+        linear = self.scale.value * (self.per_token_s + self.per_token_per_position_s * start)
+        room = seconds - self.fixed_s
+        if room <= 0:
+            return min_tokens
+        if quadratic > 0:
+            fit = (-linear + math.sqrt(linear * linear + 4 * quadratic * room)) / (2 * quadratic)
+        else:
+            fit = room / linear if linear > 0 else max_tokens
+        return max(min_tokens, min(max_tokens, int(fit)))

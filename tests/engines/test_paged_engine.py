@@ -80,6 +80,7 @@ def _assert_pool_clean(engine: PagedEngine) -> None:
 CONFIGS = {
     "batched": {},
     "chunked_prefill": {"max_batched_tokens": 32, "max_num_seqs": 8},
+    "one_token_chunks": {"max_batched_tokens": 5, "max_num_seqs": 4},
     "preempted": {"block_size": 8, "num_blocks": 28},
 }
 
