@@ -20,6 +20,7 @@ from gateway import audit, completions
 from gateway.batcher import CommandBatcher
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_document
 from gateway.results import ResultMux
 from gateway.state import STATE, GatewayState
 from policies.admission import AdmissionController
@@ -88,6 +89,10 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data}, dumps=lambda o: _json.encode(o).decode())
 
 
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -129,6 +134,7 @@ def make_app(cfg: Config) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     app.cleanup_ctx.append(_resources(cfg))
     return app
 

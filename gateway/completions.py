@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 import uuid
 from dataclasses import dataclass
 
@@ -44,7 +46,9 @@ class _Job:
     """A final or error record came: nothing is left to cancel."""
     final: Final | None = None
     status: int = 0
-    """The HTTP status of a failed request: 5xx and 504 count against the pool's breaker."""
+    """The HTTP status of a failed request: 5xx other than 504 count against the pool's
+    breaker. A missed deadline is a latency signal (the feedback loop's business), and counting
+    it would let a client trip a pool for everyone by asking for impossible deadlines."""
 
     @property
     def labels(self) -> tuple[str, str, str]:
@@ -94,7 +98,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         with tracing.span("validate"):
             caller = state.keys.authenticate(request.headers.get("Authorization"))
             body = await _read_body(request, state.cfg.max_body_bytes)
-            parsed = schema.parse(kind, body, state.cfg.default_max_tokens)
+            parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
             state.keys.check_model(caller, parsed.model)
             _check_model(state, parsed)
             cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
@@ -107,7 +111,10 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             if span is not None:
                 span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
         request["audit"].update(pool=decision.pool, decision=decision.reason)
-        return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived, deadline)
+        if not parsed.stream:
+            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived, deadline)
+        async with _stream_slot(state, caller.key_id):
+            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived, deadline)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
@@ -143,6 +150,30 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         _observe(job)
         request["audit"].update(outcome=job.outcome, prompt_tokens=job.final.prompt_tokens if job.final else 0,
                                 completion_tokens=job.final.completion_tokens if job.final else 0)
+
+
+@contextlib.asynccontextmanager
+async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
+    """Hold one of the key's concurrent-stream slots. The count lives in Redis, so the limit
+    holds across gateways; it expires, so a gateway that dies cannot leak slots for ever."""
+    if not state.keys.enabled:
+        yield
+        return
+    counter = f"{keys.PREFIX}:streams:{key_id}"
+    limit = state.cfg.max_streams_per_key
+    try:
+        held = await state.batcher.call("INCR", counter)
+        state.batcher.fire("EXPIRE", counter, int(state.cfg.max_timeout_s))
+    except (RedisError, OSError) as exc:
+        raise APIError(503, f"cannot count open streams: Redis is unavailable ({exc})", None,
+                       "redis_unavailable") from None
+    try:
+        if held > limit:
+            raise APIError(429, f"key '{key_id}' already has {limit} streams open; close one first",
+                           None, "too_many_streams", retry_headers(1.0))
+        yield
+    finally:
+        state.batcher.fire("DECR", counter)
 
 
 def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:
@@ -289,7 +320,7 @@ def _observe(job: _Job) -> None:
     end = time.time()
     rec = job.final
     if rec is None:
-        if job.status >= 500:
+        if job.status >= 500 and job.status != 504:
             job.state.admission.observe_failure(job.gen.pool, end)
         return
     e2e = end - job.arrived

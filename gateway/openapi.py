@@ -7,6 +7,7 @@ shapes, which ``openai_shapes`` builds as plain dicts, are written out here.
 
 from __future__ import annotations
 
+import copy
 from importlib.metadata import version
 from typing import Any
 
@@ -41,12 +42,15 @@ def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> di
     return {"type": "object", "properties": {**required, **(optional or {})}, "required": list(required)}
 
 
+def _json(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}
+
+
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
 _STR, _INT = {"type": "string"}, {"type": "integer"}
-_USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
 
 
 def _response_schemas() -> dict[str, dict[str, Any]]:
@@ -55,7 +59,7 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
     return {
         "Error": _obj({"error": _obj({"message": _STR, "type": _STR, "param": _nullable(_STR),
                                       "code": _nullable(_STR)})}),
-        "Usage": _USAGE,
+        "Usage": _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}),
         "ChatCompletion": _obj({
             "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
             "choices": {"type": "array", "items": _obj({
@@ -77,8 +81,7 @@ def _error_responses() -> dict[str, dict[str, Any]]:
     out = {}
     for status, why in ERROR_STATUSES.items():
         headers = {**_REQUEST_ID, **(_RETRY_AFTER if status in (429, 503) else {})}
-        out[f"Error{status}"] = {"description": why, "headers": headers, "content": {
-            "application/json": {"schema": {"$ref": _REF.format(name="Error")}}}}
+        out[f"Error{status}"] = {"description": why, "headers": headers, "content": _json("Error")}
     return out
 
 
@@ -99,8 +102,7 @@ def _completion_op(summary: str, op_id: str, body: str, result: str,
                    example: dict[str, Any]) -> dict[str, Any]:
     ok = {"description": "The answer: one JSON object, or server-sent events when `stream` is true.",
           "headers": _REQUEST_ID,
-          "content": {"application/json": {"schema": {"$ref": _REF.format(name=result)}},
-                      "text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {**_json(result), "text/event-stream": {"schema": _STR}}}
     return {"post": {
         "summary": summary, "operationId": op_id,
         "security": [{}, {"bearer": []}], "parameters": _HEADERS,
@@ -115,10 +117,6 @@ def _get_op(summary: str, op_id: str, content: dict[str, Any], **extra: Any) -> 
         "200": {"description": summary, "content": content}, **extra}}}
 
 
-def _json(name: str) -> dict[str, Any]:
-    return {"application/json": {"schema": {"$ref": _REF.format(name=name)}}}
-
-
 def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
     """The document served at ``/openapi.json``. ``example_model`` fills the request examples
     (``tiny`` is what ``slogate up`` serves); fuzzers start from them, so a test names the model
@@ -127,7 +125,9 @@ def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
     chat_example = {"model": example_model, "max_tokens": 8,
                     "messages": [{"role": "user", "content": "Score txn 1: 10 EUR at merchant 5"}]}
     completion_example = {"model": example_model, "max_tokens": 8, "prompt": "Risk report:"}
-    return {
+    # A deep copy: the module's shared fragments must not change if a caller (a fuzzer resolving
+    # references) edits its document in place.
+    return copy.deepcopy({
         "openapi": "3.1.0",
         "info": {"title": "slogate", "version": version("slogate"),
                  "description": "An SLO-aware, OpenAI-compatible gateway for LLM inference."},
@@ -142,7 +142,7 @@ def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
                                _json("Readiness"), **{"503": {"description": "Not ready; `reason` says why.",
                                                               "content": _json("Readiness")}}),
             "/metrics": _get_op("Prometheus metrics", "metrics",
-                                {"text/plain": {"schema": {"type": "string"}}}),
+                                {"text/plain": {"schema": _STR}}),
         },
         "components": {
             "schemas": {**request_schemas, **_response_schemas()},
@@ -150,4 +150,4 @@ def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                            "description": "Needed only when the gateway has `api_keys`."}},
         },
-    }
+    })

@@ -92,7 +92,8 @@ _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
 
-def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int) -> ParsedRequest:
+def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int,
+          max_messages: int = 256) -> ParsedRequest:
     if not body.strip():
         raise bad_request("request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -104,6 +105,8 @@ def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: 
         if "UTF-8" in text:
             raise bad_request("request body is not valid UTF-8", code="invalid_encoding") from None
         raise bad_request(f"request body is not valid JSON: {text}", code="invalid_json") from None
+    if isinstance(raw, ChatBody) and len(raw.messages) > max_messages:
+        raise bad_request(f"at most {max_messages} messages are allowed, got {len(raw.messages)}", "messages")
     return _check(kind, raw, default_max_tokens)
 
 

@@ -64,6 +64,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     """Off: every request is queued (for measuring what admission control buys)."""
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
+    max_messages: int = 256
+    """Messages one chat request may carry."""
+    max_streams_per_key: int = 64
+    """Streams one API key may hold open at once, across all gateways (enforced when keys are on)."""
     """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
     max_timeout_s: float = 3600.0
     """Largest deadline a client may ask for with ``x-slogate-timeout``; without the header a
@@ -158,7 +162,7 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 
 def _check_ranges(cfg: Config) -> None:
-    positive = ["port", "audit_max_entries", "max_body_bytes", "default_max_tokens", "max_timeout_s", "heartbeat_interval_s",
+    positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes", "default_max_tokens", "max_timeout_s", "heartbeat_interval_s",
                 "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:

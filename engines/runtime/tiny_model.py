@@ -56,9 +56,12 @@ _WORDS = (
 ).split()
 
 
+_VOCAB = 2048
+"""The BPE target; the built-in corpus yields a little under it."""
+
+
 @dataclass(frozen=True)
 class _Size:
-    vocab: int
     hidden: int
     layers: int
     heads: int
@@ -67,8 +70,8 @@ class _Size:
 
 
 _SIZES = {
-    "tiny": _Size(vocab=2048, hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384),
-    "100m": _Size(vocab=4096, hidden=768, layers=13, heads=12, kv_heads=4, intermediate=2560),
+    "tiny": _Size(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384),
+    "100m": _Size(hidden=768, layers=13, heads=12, kv_heads=4, intermediate=2560),
 }
 
 
@@ -78,7 +81,8 @@ def _corpus(seed: int) -> list[str]:
     lines = _PARAGRAPHS * 20 + _RARE
     for _ in range(3000):
         words = rng.choices(_WORDS, k=rng.randint(4, 12))
-        lines.append(" ".join(words) + rng.choice([".", "?", "!", ",", ""]) + f" {rng.randint(0, 99999)}")
+        ending = rng.choice([".", "?", "!", ",", ""])
+        lines.append(" ".join(words) + ending + f" {rng.randint(0, 99999)}")
     return lines
 
 
@@ -121,7 +125,7 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> 
     spec = _SIZES[size]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(spec.vocab, seed)
+    tokenizer = _train_tokenizer(_VOCAB, seed)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=len(tokenizer),

@@ -33,7 +33,9 @@ class _Stream:
     cache: GrowingCache | None = None
     prefilled: int = 0
 
-    def output(self, text: str = "", tokens: list[int] | None = None, reason: FinishReason | None = None) -> StepOutput:
+    def output(
+        self, text: str = "", tokens: list[int] | None = None, reason: FinishReason | None = None
+    ) -> StepOutput:
         return StepOutput(
             request_id=self.request.id,
             text=text,
@@ -161,12 +163,14 @@ class StreamEngine:
         return self._batch.tokens_of(request_id)
 
     def kv_bytes(self) -> int:
-        prefill = sum(cache_bytes(self._streams[rid].cache) for rid in self._prefilling if self._streams[rid].cache is not None)
-        return prefill + self._batch.nbytes()
+        caches = (self._streams[rid].cache for rid in self._prefilling)
+        return sum(cache_bytes(c) for c in caches if c is not None) + self._batch.nbytes()
 
     def _reject(self, request_id: str, message: str, prompt_tokens: int) -> None:
         self._rejected.append(
-            StepOutput(request_id, finish_reason="error", prompt_tokens=prompt_tokens, error=message, error_status=400)
+            StepOutput(
+                request_id, finish_reason="error", prompt_tokens=prompt_tokens, error=message, error_status=400
+            )
         )
 
     def _expire(self, now: float) -> list[StepOutput]:
@@ -291,33 +295,34 @@ class StreamEngine:
     def _prefill_chunk(self, stream: _Stream, n: int) -> torch.Tensor | None:
         """Run ``n`` more prompt tokens, learning what they cost; return the last position's
         logits once the prompt is done."""
-        began = time.perf_counter()
-        logits = self._forward_prompt(stream, n)
-        if n >= self.min_chunk:
-            self.prefill_cost.add(1, n, stream.prefilled - n, time.perf_counter() - began)
-        return logits
-
-    def _forward_prompt(self, stream: _Stream, n: int) -> torch.Tensor | None:
         start = stream.prefilled
-        device = self.loaded.device
         if stream.cache is None:
             stream.cache = new_cache()
+        began = time.perf_counter()
+        logits = self._forward_chunk(stream.prompt_ids[start : start + n], start, stream.cache)
+        if n >= self.min_chunk:
+            self.prefill_cost.add(1, n, start, time.perf_counter() - began)
+        stream.prefilled += n
+        return logits if stream.prefilled == len(stream.prompt_ids) else None
+
+    def _forward_chunk(self, ids: list[int], start: int, cache: GrowingCache) -> torch.Tensor:
+        device = self.loaded.device
         out = self.loaded.model(
-            input_ids=torch.tensor([stream.prompt_ids[start : start + n]], device=device),
-            position_ids=torch.arange(start, start + n, device=device).unsqueeze(0),
-            **{self._cache_arg: stream.cache},
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.arange(start, start + len(ids), device=device).unsqueeze(0),
+            **{self._cache_arg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
         self._sync()
-        stream.prefilled += n
-        return out.logits[:, -1, :] if stream.prefilled == len(stream.prompt_ids) else None
+        return out.logits[:, -1, :]
 
     def _decode(self) -> list[StepOutput]:
         began = time.perf_counter()
         streams = [self._streams[rid] for rid in self._batch.ids]
         try:
-            out = self.loaded.model(**self._batch.forward_inputs(self._cache_arg), use_cache=True, logits_to_keep=1)
+            inputs = self._batch.forward_inputs(self._cache_arg)
+            out = self.loaded.model(**inputs, use_cache=True, logits_to_keep=1)
             tokens = sample(
                 out.logits[:, -1, :],
                 [s.tracker.params for s in streams],
@@ -368,11 +373,11 @@ class StreamEngine:
         with torch.inference_mode():
             for _ in range(3):
                 for key, start, length in (("fixed", 0, 1), ("near", 0, n), ("far", far, n)):
-                    stream = _Stream(EngineRequest("warmup", None, 0.0), ids[: start + length], None, None)  # type: ignore[arg-type]
+                    cache = new_cache()
                     if start:
-                        self._forward_prompt(stream, start)
+                        self._forward_chunk(ids[:start], 0, cache)
                     began = time.perf_counter()
-                    self._forward_prompt(stream, length)
+                    self._forward_chunk(ids[start : start + length], start, cache)
                     best[key] = min(best[key], time.perf_counter() - began)
         self.prefill_cost = PrefillCost.fit(best["fixed"], n, best["near"], far, best["far"])
         self.decode_step_s = Ewma(best["fixed"])

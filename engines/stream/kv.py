@@ -117,7 +117,9 @@ class DecodeBatch:
     def nbytes(self) -> int:
         return cache_bytes(self.cache) if self.cache is not None else 0
 
-    def join(self, request_ids: list[str], cache: GrowingCache, mask: torch.Tensor, last_tokens: list[int]) -> None:
+    def join(
+        self, request_ids: list[str], cache: GrowingCache, mask: torch.Tensor, last_tokens: list[int]
+    ) -> None:
         """Add requests whose prefill just ended: ``cache`` holds their prompts as rows,
         left-padded as ``mask`` says."""
         if self.cache is None:

@@ -151,6 +151,9 @@ async def test_health_ready_models_metrics(stack: Stack) -> None:
             assert r.status == 200
         async with s.get(stack.url + "/metrics") as r:
             text = await r.text()
+        async with s.get(stack.url + "/openapi.json") as r:
+            doc = await r.json()
+    assert "/v1/chat/completions" in doc["paths"]
     assert 'slogate_requests_total{class="interactive",model="slogate-sim",outcome="length",pool="interactive"}' in text
     assert "slogate_e2e_request_latency_seconds_bucket" in text
     assert 'le="0.15"' in text

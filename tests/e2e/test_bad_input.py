@@ -113,3 +113,19 @@ async def test_prompt_beyond_context_is_rejected_by_the_worker(stack: Stack) -> 
                                  json_body={"model": MODEL, "prompt": long_prompt, "max_tokens": 500})
     assert status == 400
     assert "beyond the model's context" in resp["error"]["message"]
+
+
+async def test_too_many_messages(stack: Stack) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 300}
+    status, resp, _ = await call(stack, CHAT, json_body=body)
+    assert status == 400
+    assert_error(resp, "messages", "at most 256 messages")
+
+
+async def test_oversized_header_is_refused_and_gateway_stays_up(stack: Stack) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(stack.url + "/healthz", headers={"x-big": "a" * 20000}) as r:
+            assert r.status == 400
+            assert "8190 bytes" in await r.text()
+    status, _, _ = await call(stack, "/healthz", method="GET")
+    assert status == 200

@@ -48,10 +48,14 @@ def guarded(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) 
 
 
 async def post(url: str, body: dict, key: str | None = None, **headers: str) -> tuple[int, dict, dict]:
+    """Status, JSON body (or {} for a stream) and headers."""
     if key:
         headers["Authorization"] = f"Bearer {key}"
     async with aiohttp.ClientSession() as s:
         async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+            if r.content_type == "text/event-stream":
+                await r.read()
+                return r.status, {}, dict(r.headers)
             return r.status, await r.json(), dict(r.headers)
 
 
@@ -92,3 +96,16 @@ async def test_rate_limit_holds_across_two_gateways(guarded: list[Stack]) -> Non
     assert int(headers["Retry-After"]) >= 1 and headers["x-slogate-reason"] == "rate-limit:rpm"
     other = await post(guarded[1].url, SCORE, key="sk-rep")
     assert other[0] == 200, "another key is not limited by this one"
+
+
+async def test_concurrent_streams_per_key_are_capped(guarded: list[Stack], redis_server: LocalRedis) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    client.set("slogate:streams:reports", 64)
+    try:
+        status, body, headers = await post(guarded[1].url, {**SCORE, "stream": True}, key="sk-rep")
+    finally:
+        client.delete("slogate:streams:reports")
+        client.close()
+    assert status == 429 and body["error"]["code"] == "too_many_streams"
+    status, _, _ = await post(guarded[1].url, {**SCORE, "stream": True}, key="sk-rep")
+    assert status == 200

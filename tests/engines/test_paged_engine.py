@@ -208,3 +208,8 @@ def test_seeded_sampling_is_reproducible_in_a_batch(tiny_model_dir: Path) -> Non
             engine.add_request(_request(f"c{i}", PROMPTS[i], SamplingParams(max_tokens=12, temperature=1.0)))
         runs.append(_tokens(_drain(engine))["s"])
     assert runs[0] == runs[1]
+
+
+def test_create_names_unknown_options(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="block_sise"):
+        create(str(tiny_model_dir), block_sise=16)

@@ -35,9 +35,12 @@ def loaded(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
 
 
-def request(rid: str, prompt: str | None = None, deadline: float = 3600.0, messages=None, **params) -> EngineRequest:
+def request(
+    rid: str, prompt: str | None = None, deadline: float = 3600.0, messages=None, **params
+) -> EngineRequest:
     params.setdefault("temperature", 0.0)
-    return EngineRequest(rid, SamplingParams(**params), time.time() + deadline, prompt=prompt, messages=messages)
+    sampling = SamplingParams(**params)
+    return EngineRequest(rid, sampling, time.time() + deadline, prompt=prompt, messages=messages)
 
 
 def drain(engine: StreamEngine, max_steps: int = 500) -> list[list[StepOutput]]:
@@ -161,7 +164,7 @@ def test_stop_string_split_across_tokens_is_never_emitted_in_part(loaded: Loaded
 def test_abort_frees_kv_at_once_and_survivors_are_unaffected(loaded: LoadedModel):
     engine = StreamEngine(loaded, warmup=False)
     for i, prompt in enumerate(PROMPTS[:3]):
-        engine.add_request(request(f"p{i}", prompt, max_tokens=16, ignore_eos=True))
+        engine.add_request(request(f"p{i}", prompt, max_tokens=16, min_tokens=16))
     steps = [engine.step() for _ in range(3)]
     assert all(engine.kv_tokens(f"p{i}") > 0 for i in range(3))
     before = engine.kv_bytes()
@@ -176,7 +179,9 @@ def test_abort_frees_kv_at_once_and_survivors_are_unaffected(loaded: LoadedModel
     assert len(outputs["p2"]) == 3
     for i in range(2):
         ids = loaded.encode(PROMPTS[i], None)
-        ref = loaded.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16)
+        ref = loaded.model.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+        )
         assert tokens_of(outputs[f"p{i}"]) == ref[0, len(ids) :].tolist()
     assert engine.kv_bytes() == 0
 
