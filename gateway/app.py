@@ -85,7 +85,7 @@ async def list_models(request: web.Request) -> web.Response:
     created = int(request.app[STATE].started_at)
     data = [{"id": m.id, "object": "model", "created": created, "owned_by": "slogate",
              "max_model_len": m.max_context, "pools": view.pools_serving(m.id)}
-            for m in sorted(view.models().values(), key=lambda m: m.id)]
+            for m in sorted(view.models.values(), key=lambda m: m.id)]
     return web.json_response({"object": "list", "data": data}, dumps=lambda o: _json.encode(o).decode())
 
 
@@ -117,7 +117,7 @@ async def metrics(request: web.Request) -> web.Response:
 def _export_fleet(state: GatewayState) -> None:
     m = state.metrics
     view = state.directory.view
-    pools = view.pools()
+    pools = view.by_pool
     for pool, depth in view.queue_depth.items():
         hbs = pools.get(pool, [])
         m.queue_depth.labels(pool).set(depth)

@@ -185,9 +185,9 @@ def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:
         raise APIError(503, "no live worker is serving any model; start a worker "
                             "(slogate worker --pool NAME)", None, "no_live_worker",
                        retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
-    model = view.models().get(parsed.model)
+    model = view.models.get(parsed.model)
     if model is None:
-        served = ", ".join(sorted(view.models())) or "none"
+        served = ", ".join(sorted(view.models)) or "none"
         raise APIError(404, f"model '{parsed.model}' is not served here (served: {served})",
                        "model", "model_not_found")
     if parsed.sampling.max_tokens >= model.max_context:

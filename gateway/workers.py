@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -24,15 +25,20 @@ log = logging.getLogger("slogate.gateway")
 
 @dataclass
 class FleetView:
+    """One read of the fleet; never changed after it is made, so what is derived from it is
+    computed once per refresh rather than once per request."""
+
     heartbeats: list[Heartbeat] = field(default_factory=list)
     queue_depth: dict[str, int] = field(default_factory=dict)
 
-    def pools(self) -> dict[str, list[Heartbeat]]:
+    @cached_property
+    def by_pool(self) -> dict[str, list[Heartbeat]]:
         out: dict[str, list[Heartbeat]] = {}
         for hb in self.heartbeats:
             out.setdefault(hb.pool, []).append(hb)
         return out
 
+    @cached_property
     def models(self) -> dict[str, ModelInfo]:
         """Each served model with the smallest context any of its workers allows."""
         out: dict[str, ModelInfo] = {}
@@ -43,8 +49,16 @@ class FleetView:
                     out[m.id] = m
         return out
 
+    @cached_property
+    def _serving(self) -> dict[str, list[str]]:
+        pools: dict[str, set[str]] = {}
+        for hb in self.heartbeats:
+            for m in hb.models:
+                pools.setdefault(m.id, set()).add(hb.pool)
+        return {model: sorted(p) for model, p in pools.items()}
+
     def pools_serving(self, model: str) -> list[str]:
-        return sorted({hb.pool for hb in self.heartbeats if any(m.id == model for m in hb.models)})
+        return self._serving.get(model, [])
 
 
 class WorkerDirectory:
@@ -91,7 +105,7 @@ class WorkerDirectory:
         """Each pool's backlog that no worker has taken yet, plus what this gateway queued since
         the last read: a burst is judged on the queue it builds, not on a stale, empty one."""
         out = {}
-        pools = self.view.pools()
+        pools = self.view.by_pool
         for pool, depth in self.view.queue_depth.items():
             workers = pools.get(pool, [])
             held = sum(hb.running + hb.waiting for hb in workers)
@@ -106,7 +120,7 @@ class WorkerDirectory:
     def ready(self) -> tuple[bool, str]:
         if not self.redis_ok:
             return False, "Redis is unreachable"
-        live = self.view.pools()
+        live = self.view.by_pool
         missing = [p for p in self.configured_pools if not live.get(p)]
         if missing:
             return False, f"no live worker in pool(s): {', '.join(missing)}"

@@ -302,3 +302,13 @@ def test_create_measures_costs_for_load_reports(tiny_model_dir: Path):
     load = engine.load()
     assert (load.running, load.waiting) == (3, 2)
     assert 0 < load.kv_usage < 1 and load.extra["kv_bytes"] > 0
+
+
+def test_request_done_at_its_first_token_holds_no_kv(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False)
+    engine.add_request(request("one", PROMPTS[0], max_tokens=1))
+    engine.add_request(request("two", PROMPTS[1], max_tokens=2, ignore_eos=True))
+    first = {o.request_id: o for o in engine.step()}
+    assert first["one"].finish_reason == "length" and len(first["one"].token_ids) == 1
+    assert engine.kv_tokens("one") == 0 and len(engine._batch) == 1
+    assert engine.kv_tokens("two") == len(loaded.encode(PROMPTS[1], None))
