@@ -42,7 +42,10 @@ class LocalRedis:
             "--save", "60 1000" if self.persist else "", "--appendonly", "no",
             "--logfile", str(self.state_dir / "redis.log"), "--daemonize", "no",
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own session: a Ctrl-C at the terminal must reach the supervisor, which stops Redis
+        # last, after the processes that still need it have drained.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
         client = redis.Redis(port=self.port)
         end = time.monotonic() + timeout
         while True:
