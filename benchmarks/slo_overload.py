@@ -33,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OBJECTIVE_S = 0.150
 # One interactive worker of 16 slots and one batch worker of 32, with GPU-like step times.
 SIM = {
-    "interactive": ["prefill_s_per_token=0.00002", "decode_base_s=0.006", "decode_s_per_seq=0.0004", "max_batch=16"],
+    "interactive": ["prefill_s_per_token=0.00002", "decode_base_s=0.004", "decode_s_per_seq=0.0002", "max_batch=16"],
     "batch": ["prefill_s_per_token=0.00002", "decode_base_s=0.010", "decode_s_per_seq=0.0003", "max_batch=32"],
 }
 

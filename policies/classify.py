@@ -38,12 +38,14 @@ def classify(
     if model_route:
         return model_route, "model-route"
     rules = cfg.classification.heuristics
-    if stream:
-        return "interactive", "heuristic:stream"
     if max_tokens is not None and max_tokens <= rules.interactive_max_tokens:
         return "interactive", f"heuristic:max_tokens<={rules.interactive_max_tokens}"
+    # The size of the work outranks streaming: a long report is streamed for convenience, not
+    # because someone waits on each token.
     if prompt_chars > rules.batch_prompt_chars:
         return "batch", f"heuristic:prompt_chars>{rules.batch_prompt_chars}"
     if max_tokens is not None and max_tokens >= rules.batch_max_tokens:
         return "batch", f"heuristic:max_tokens>={rules.batch_max_tokens}"
+    if stream:
+        return "interactive", "heuristic:stream"
     return cfg.classification.default_class, "default"

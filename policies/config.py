@@ -36,7 +36,7 @@ class InteractiveObjective(_Section, frozen=True):
     """Objective for non-streamed answers: the whole response."""
     ttft_p99_s: PosFloat = 0.150
     """Objective for streamed answers: the first token."""
-    deadline_s: PosFloat = 5.0
+    deadline_s: PosFloat = 30.0
     """After this long nobody waits for an interactive answer; the worker drops it."""
 
 
@@ -59,7 +59,7 @@ class Objectives(_Section, frozen=True):
 class Heuristics(_Section, frozen=True):
     interactive_max_tokens: NonNegInt = 64
     batch_prompt_chars: PosInt = 8000
-    batch_max_tokens: PosInt = 1024
+    batch_max_tokens: PosInt = 256
 
     def __post_init__(self) -> None:
         if self.interactive_max_tokens >= self.batch_max_tokens:

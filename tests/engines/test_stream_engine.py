@@ -312,3 +312,16 @@ def test_request_done_at_its_first_token_holds_no_kv(loaded: LoadedModel):
     assert first["one"].finish_reason == "length" and len(first["one"].token_ids) == 1
     assert engine.kv_tokens("one") == 0 and len(engine._batch) == 1
     assert engine.kv_tokens("two") == len(loaded.encode(PROMPTS[1], None))
+
+
+def test_an_earlier_deadline_overtakes_a_prompt_being_prefilled(loaded: LoadedModel):
+    engine = StreamEngine(loaded, prefill_chunk_tokens=8, warmup=False)
+    engine.add_request(request("long", " ".join(PROMPTS), deadline=300, max_tokens=2))
+    engine.step()
+    assert engine.kv_tokens("long") == 8
+    engine.add_request(request("urgent", PROMPTS[3], deadline=100, max_tokens=2))
+    assert len(loaded.encode(PROMPTS[3], None)) <= 8
+    assert [o.request_id for o in engine.step()] == ["urgent"]
+    assert engine.kv_tokens("long") == 8
+    engine.step()
+    assert engine.kv_tokens("long") == 16

@@ -124,7 +124,7 @@ def test_batch_past_its_deadline_fails() -> None:
 
 
 def test_deadlines_per_class() -> None:
-    assert deadline_for("interactive", 10.0, CFG) == 15.0
+    assert deadline_for("interactive", 10.0, CFG) == 40.0
     assert deadline_for("batch", 10.0, CFG) == 3610.0
 
 

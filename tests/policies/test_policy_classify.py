@@ -30,11 +30,14 @@ def test_unknown_header_class_is_the_clients_error() -> None:
 @pytest.mark.parametrize(
     ("stream", "max_tokens", "prompt_chars", "expected"),
     [
-        (True, 4096, 100_000, ("interactive", "heuristic:stream")),
+        (True, 128, 2_000, ("interactive", "heuristic:stream")),
+        (True, 4096, 100_000, ("batch", "heuristic:prompt_chars>8000")),
+        (True, 414, 3_000, ("batch", "heuristic:max_tokens>=256")),
+        (True, 8, 100_000, ("interactive", "heuristic:max_tokens<=64")),
         (False, 64, 100_000, ("interactive", "heuristic:max_tokens<=64")),
         (False, 65, 8001, ("batch", "heuristic:prompt_chars>8000")),
-        (False, 1024, 100, ("batch", "heuristic:max_tokens>=1024")),
-        (False, 1023, 8000, ("batch", "default")),
+        (False, 256, 100, ("batch", "heuristic:max_tokens>=256")),
+        (False, 255, 8000, ("batch", "default")),
         (False, None, 100, ("batch", "default")),
         (False, None, 9000, ("batch", "heuristic:prompt_chars>8000")),
     ],
