@@ -224,7 +224,9 @@ def main() -> None:
     report(args, jobs, rows, cached, uncached, engine)
 
 
-def report(args: argparse.Namespace, jobs: list[Job], rows: list[Row], cached: float, uncached: float, engine: PagedEngine) -> None:
+def report(
+    args: argparse.Namespace, jobs: list[Job], rows: list[Row], cached: float, uncached: float, engine: PagedEngine
+) -> None:
     static = next(r for r in rows if r.name.startswith("transformers generate, static"))
     lines = [
         f"# Batch engine benchmark ({args.size} model, fp32, CPU, {torch.get_num_threads()} torch threads)",

@@ -23,3 +23,11 @@ def redis_url(redis_server: LocalRedis) -> Iterator[str]:
     client.flushdb()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded tiny Llama model directory, built once per test session (no download)."""
+    from engines.runtime.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")

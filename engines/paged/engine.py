@@ -70,6 +70,8 @@ class PagedEngine:
         """Wall clock that deadlines are compared against (replaceable in tests)."""
 
     def add_request(self, request: EngineRequest) -> None:
+        if request.id in self._live:
+            return  # a redelivery of a request already served here: its outputs are on their way
         try:
             prompt_ids = self.loaded.encode(request.prompt, request.messages)
         except Exception as exc:  # noqa: BLE001 - a bad prompt is the client's fault, whatever raised

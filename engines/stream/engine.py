@@ -57,12 +57,13 @@ class StreamEngine:
         prefill_chunk_tokens: int | None = None,
         min_prefill_chunk: int = 16,
         max_prefill_chunk: int = 1024,
-        enforce_deadline: bool = True,
+        enforce_deadline: bool = False,
         warmup: bool = True,
     ) -> None:
         """``prefill_chunk_tokens`` fixes the prompt tokens per step instead of sizing them
-        from measured cost; ``enforce_deadline`` ends requests whose deadline has passed
-        (nobody waits for them any more) with finish reason ``deadline``."""
+        from measured cost. ``enforce_deadline`` ends requests whose deadline has passed with
+        finish reason ``deadline``; it is off by default because the worker already sweeps
+        expired requests and answers them, and one place should decide how."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.loaded = loaded
@@ -82,6 +83,7 @@ class StreamEngine:
         self._batch = DecodeBatch(loaded.device)
         self._rejected: list[StepOutput] = []
         self._cache_arg = cache_argument(loaded.model)
+        self._kv_held = (0, 0)
         if warmup:
             self._warmup()
 
@@ -121,6 +123,7 @@ class StreamEngine:
             self._prefilling.remove(request_id)
         with torch.inference_mode():
             self._batch.leave({request_id})
+        self._note_kv()
 
     def has_unfinished(self) -> bool:
         return bool(self._streams or self._rejected)
@@ -137,10 +140,14 @@ class StreamEngine:
             if self._prefilling:
                 left = self.budget_s - (time.perf_counter() - started)
                 outputs += self._prefill(left)
+        self._note_kv()
         return outputs
 
     def load(self) -> EngineLoad:
-        kv_tokens = sum(self.kv_tokens(rid) for rid in self._streams)
+        """Safe to call while ``step`` runs in another thread (the worker's heartbeat does):
+        it reads counts and the KV figures noted at the end of the last step, never the
+        structures a step is changing."""
+        kv_tokens, kv_bytes = self._kv_held
         return EngineLoad(
             running=len(self._prefilling) + len(self._batch),
             waiting=len(self._waiting),
@@ -149,7 +156,7 @@ class StreamEngine:
             prefill_s_per_token=self.prefill_cost.observed_per_token_s.value,
             decode_step_s=self.decode_step_s.value,
             extra={
-                "kv_bytes": float(self.kv_bytes()),
+                "kv_bytes": float(kv_bytes),
                 "prefill_fixed_s": self.prefill_cost.fixed_s,
                 "prefill_chunk_tokens": float(self._chunk_tokens(self.budget_s, 0)),
             },
@@ -165,6 +172,9 @@ class StreamEngine:
     def kv_bytes(self) -> int:
         caches = (self._streams[rid].cache for rid in self._prefilling)
         return sum(cache_bytes(c) for c in caches if c is not None) + self._batch.nbytes()
+
+    def _note_kv(self) -> None:
+        self._kv_held = (sum(self.kv_tokens(rid) for rid in self._streams), self.kv_bytes())
 
     def _reject(self, request_id: str, message: str, prompt_tokens: int) -> None:
         self._rejected.append(

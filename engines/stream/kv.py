@@ -27,10 +27,10 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.replace(key_states[:, :, :0], value_states[:, :, :0])
+            self.replace(key_states[:, :, :0], value_states[:, :, :0], 0)
         length = self.length + key_states.shape[-2]
         if length > self.key_buffer.shape[-2]:
-            self._grow(length + max(length // 4, 64))
+            self._grow(_capacity(length))
         self.key_buffer[:, :, self.length : length] = key_states
         self.value_buffer[:, :, self.length : length] = value_states
         self.length = length
@@ -44,11 +44,11 @@ class GrowingLayer(DynamicLayer):
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 
-    def replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Take these tensors as the whole content (after rows joined or left)."""
-        self.key_buffer, self.value_buffer = keys, values
-        self.keys, self.values = keys, values
-        self.length = keys.shape[-2]
+    def replace(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        """Take these buffers, whose first ``length`` positions hold the content."""
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
+        self.keys, self.values = key_buffer[:, :, :length], value_buffer[:, :, :length]
+        self.length = length
         self.is_initialized = True
 
     def get_seq_length(self) -> int:
@@ -69,6 +69,26 @@ def new_cache() -> GrowingCache:
     return GrowingCache()
 
 
+def _capacity(length: int) -> int:
+    return length + max(length // 4, 64)
+
+
+def _stacked(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The rows of ``parts`` in one buffer, each right-aligned at ``width`` with zeros to its
+    left (padding must be finite: attention weighs it by exactly zero, and zero times NaN is
+    still NaN), and room to grow after ``width`` so the next step need not copy again."""
+    first = parts[0]
+    rows = sum(part.shape[0] for part in parts)
+    out = first.new_empty(rows, first.shape[1], _capacity(width), first.shape[3])
+    row = 0
+    for part in parts:
+        pad = width - part.shape[-2]
+        out[row : row + part.shape[0], :, :pad] = 0
+        out[row : row + part.shape[0], :, pad:width] = part
+        row += part.shape[0]
+    return out
+
+
 def cache_argument(model: PreTrainedModel) -> str:
     """The forward argument that takes the cache: recent transformers renamed
     ``past_key_values`` to ``cache`` and warn on the old name."""
@@ -81,11 +101,6 @@ def cache_length(cache: GrowingCache) -> int:
 
 def cache_bytes(cache: GrowingCache) -> int:
     return sum(layer.nbytes() for layer in cache.layers)
-
-
-def _map(cache: GrowingCache, fn) -> None:
-    for layer in cache.layers:
-        layer.replace(fn(layer.keys), fn(layer.values))
 
 
 class DecodeBatch:
@@ -125,16 +140,13 @@ class DecodeBatch:
         if self.cache is None:
             self.cache, self.mask = cache, mask
         else:
-            width, theirs = self.mask.shape[1], mask.shape[1]
-            if theirs < width:
-                _map(cache, lambda t: F.pad(t, (0, 0, width - theirs, 0)))
-                mask = F.pad(mask, (width - theirs, 0))
-            elif theirs > width:
-                _map(self.cache, lambda t: F.pad(t, (0, 0, theirs - width, 0)))
-                self.mask = F.pad(self.mask, (theirs - width, 0))
+            width = max(self.mask.shape[1], mask.shape[1])
             for mine, new in zip(self.cache.layers, cache.layers):
-                mine.replace(torch.cat([mine.keys, new.keys]), torch.cat([mine.values, new.values]))
-            self.mask = torch.cat([self.mask, mask])
+                keys = _stacked([mine.keys, new.keys], width)
+                mine.replace(keys, _stacked([mine.values, new.values], width), width)
+            self.mask = torch.cat(
+                [F.pad(self.mask, (width - self.mask.shape[1], 0)), F.pad(mask, (width - mask.shape[1], 0))]
+            )
         self.ids.extend(request_ids)
         self.last_tokens.extend(last_tokens)
         self.positions.extend(mask.sum(dim=1).tolist())
@@ -152,8 +164,11 @@ class DecodeBatch:
             self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
             return
         index = torch.tensor(keep, device=self.device)
-        cut = self.mask.shape[1] - max(self.positions)
-        _map(self.cache, lambda t: t.index_select(0, index)[:, :, cut:].clone())
+        width = max(self.positions)
+        cut = self.mask.shape[1] - width
+        for layer in self.cache.layers:
+            keys = _stacked([layer.keys.index_select(0, index)[:, :, cut:]], width)
+            layer.replace(keys, _stacked([layer.values.index_select(0, index)[:, :, cut:]], width), width)
         self.mask = self.mask.index_select(0, index)[:, cut:].clone()
 
     def forward_inputs(self, cache_arg: str) -> dict[str, torch.Tensor | GrowingCache | None]:

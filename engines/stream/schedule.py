@@ -45,13 +45,22 @@ class EdfQueue:
 
 @dataclass
 class Ewma:
-    """A running average that follows drift (a growing context slows every step)."""
+    """A running average that follows drift (a growing context slows every step).
+
+    ``rise``, when set, is the weight of a sample above the average: a cost estimate that
+    is slow to believe bad news overruns the step budget while it catches up.
+    """
 
     value: float = 0.0
     alpha: float = 0.2
+    rise: float | None = None
 
     def add(self, sample: float) -> None:
-        self.value = sample if self.value == 0.0 else self.value + self.alpha * (sample - self.value)
+        if self.value == 0.0:
+            self.value = sample
+            return
+        weight = self.rise if self.rise is not None and sample > self.value else self.alpha
+        self.value += weight * (sample - self.value)
 
 
 @dataclass
@@ -68,7 +77,7 @@ class PrefillCost:
     fixed_s: float
     per_token_s: float
     per_token_per_position_s: float
-    scale: Ewma = field(default_factory=lambda: Ewma(1.0))
+    scale: Ewma = field(default_factory=lambda: Ewma(1.0, alpha=0.1, rise=0.5))
     observed_per_token_s: Ewma = field(default_factory=Ewma)
 
     @classmethod

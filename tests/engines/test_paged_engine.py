@@ -80,8 +80,8 @@ def _assert_pool_clean(engine: PagedEngine) -> None:
 CONFIGS = {
     "batched": {},
     "chunked_prefill": {"max_batched_tokens": 32, "max_num_seqs": 8},
-    "one_token_chunks": {"max_batched_tokens": 5, "max_num_seqs": 4},
     "preempted": {"block_size": 8, "num_blocks": 28},
+    "preempted_without_prefix_cache": {"block_size": 8, "num_blocks": 28, "enable_prefix_caching": False},
 }
 
 
@@ -97,8 +97,32 @@ def test_batch_matches_generate_token_for_token(tiny_model_dir: Path, reference:
     finals = [o for o in outputs if o.finish_reason]
     assert sorted(o.request_id for o in finals) == sorted(map(str, range(len(PROMPTS))))
     assert all(o.finish_reason == "length" and o.completion_tokens == MAX_TOKENS for o in finals)
-    if config == "preempted":
+    if config.startswith("preempted"):
         assert engine.scheduler.num_preemptions > 0
+    _assert_pool_clean(engine)
+
+
+def test_prefill_chunks_of_one_token_match_generate(tiny_model_dir: Path, reference: dict) -> None:
+    """A budget of four tokens for four sequences leaves a prefill single-token chunks beside
+    three decodes: the runner must treat those as queries over a context, not as decodes."""
+    engine = _engine(tiny_model_dir, max_batched_tokens=4, max_num_seqs=4)
+    schedule, one_token_chunks = engine.scheduler.schedule, []
+
+    def counting_schedule():
+        sched = schedule()
+        one_token_chunks.extend(
+            s for s, n in zip(sched.seqs, sched.num_new_tokens) if n == 1 and s.num_computed_tokens + 1 < len(s)
+        )
+        return sched
+
+    engine.scheduler.schedule = counting_schedule
+    prompts = PROMPTS[:5]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(_request(str(i), prompt))
+    got = _tokens(_drain(engine))
+    for i, prompt in enumerate(prompts):
+        assert got[str(i)] == reference[prompt], f"prompt {i} diverged"
+    assert one_token_chunks
     _assert_pool_clean(engine)
 
 
@@ -144,7 +168,9 @@ def test_blocks_all_return_after_finish_abort_and_preemption(tiny_model_dir: Pat
         outputs += engine.step()
     running = engine.scheduler.running[0].request_id
     waiting = engine.scheduler.waiting[0].request_id if engine.scheduler.waiting else "7"
+    free_before = engine.block_manager.num_free_blocks
     engine.abort_request(running)
+    assert engine.block_manager.num_free_blocks > free_before, "abort must free blocks at once"
     engine.abort_request(waiting)
     engine.abort_request("no-such-request")
     after = _drain(engine)
@@ -213,3 +239,14 @@ def test_seeded_sampling_is_reproducible_in_a_batch(tiny_model_dir: Path) -> Non
 def test_create_names_unknown_options(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="block_sise"):
         create(str(tiny_model_dir), block_sise=16)
+
+
+def test_a_redelivered_request_is_served_once(tiny_model_dir: Path, reference: dict) -> None:
+    engine = _engine(tiny_model_dir)
+    engine.add_request(_request("a", PROMPTS[2]))
+    outputs = engine.step()
+    engine.add_request(_request("a", PROMPTS[2]))
+    outputs += _drain(engine)
+    assert _tokens(outputs)["a"] == reference[PROMPTS[2]]
+    assert sum(1 for o in outputs if o.finish_reason) == 1
+    _assert_pool_clean(engine)

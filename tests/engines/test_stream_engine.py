@@ -268,14 +268,14 @@ def test_a_failing_forward_fails_only_its_request(loaded: LoadedModel):
     assert tokens_of(outputs["short"]) == reference(loaded, loaded.encode(PROMPTS[0], None), 3)
 
 
-def test_passed_deadline_ends_the_request(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False)
+def test_passed_deadline_ends_the_request_when_enforced(loaded: LoadedModel):
+    engine = StreamEngine(loaded, warmup=False, enforce_deadline=True)
     engine.add_request(request("gone", PROMPTS[0], deadline=-1, max_tokens=5))
     engine.add_request(request("fine", PROMPTS[0], max_tokens=5, ignore_eos=True))
     outputs = by_request(drain(engine))
     assert [o.finish_reason for o in outputs["gone"]] == ["deadline"]
     assert len(tokens_of(outputs["fine"])) == 5
-    relaxed = StreamEngine(loaded, warmup=False, enforce_deadline=False)
+    relaxed = StreamEngine(loaded, warmup=False)
     relaxed.add_request(request("gone", PROMPTS[0], deadline=-1, max_tokens=5, ignore_eos=True))
     assert len(tokens_of(by_request(drain(relaxed))["gone"])) == 5
 
@@ -302,6 +302,13 @@ def test_create_measures_costs_for_load_reports(tiny_model_dir: Path):
     load = engine.load()
     assert (load.running, load.waiting) == (3, 2)
     assert 0 < load.kv_usage < 1 and load.extra["kv_bytes"] > 0
+
+
+def test_create_names_a_bad_option(tiny_model_dir: Path):
+    with pytest.raises(ValueError, match="max_batches"):
+        create(str(tiny_model_dir), max_batches=3)
+    with pytest.raises(ValueError, match="needs a model"):
+        create(None)
 
 
 def test_request_done_at_its_first_token_holds_no_kv(loaded: LoadedModel):

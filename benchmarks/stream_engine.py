@@ -1,0 +1,452 @@
+"""Latency of the streaming engine as a client sees it: time to first token (TTFT) and the gaps
+between streamed chunks, measured at the client through the gateway (SSE, ``stream: true``).
+
+Contenders, all on the same prompts (distinct random-token prompts of 16-64 tokens, greedy,
+``ignore_eos``, a fixed ``max_tokens``):
+
+- the stream engine (pool ``interactive``) and the paged engine (pool ``batch``), each behind
+  the gateway + Redis, as real processes, at 1, 4 and 16 concurrent streams (closed loop: each
+  client sends its next request when the last one ends; the first round is a burst);
+- transformers ``generate`` with a ``TextIteratorStreamer`` in this process, one thread per
+  concurrent stream (1 torch thread), timed the same way. That streamer holds text back to a
+  word boundary, so its chunks are fewer than its tokens; the per-token row times ``put``.
+
+Then a 2,000-token prompt arrives while 8 short streams run (each engine, through the
+gateway): the short streams' worst gap while the long prompt is prefilled, against their
+median gap, with the same 8 streams alone as the control (what the host's noise does). Run::
+
+    python -m benchmarks.stream_engine                  # tiny model, ~3 minutes on 2 cores
+    python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --levels 1 4
+
+Results are printed and written to ``benchmarks/results/stream_engine_<size>.{md,json}``.
+Everything (load generator, gateway, Redis, both workers) shares this machine, so each
+scenario also records the CPU seconds every process spent and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextIteratorStreamer
+
+from benchmarks.loadgen import markdown_table, percentile
+from engines.runtime.tiny_model import build_tiny_model
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack
+
+RESULTS = Path(__file__).resolve().parent / "results"
+POOLS = {"stream": "interactive", "paged": "batch"}
+"""Engine -> the pool the benchmark's stack serves it from (forced with x-slogate-class)."""
+
+
+@dataclass
+class Trace:
+    """One stream: when it was sent and when each non-empty text chunk arrived."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+    status: int = 200
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0] - self.sent if self.chunks else None
+
+    def gaps(self, after: float = 0.0, before: float = float("inf")) -> list[float]:
+        """Gaps between consecutive chunks whose later chunk lands in [after, before)."""
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:]) if after <= b < before]
+
+
+class CpuMeter:
+    """CPU seconds of named processes (from /proc) and of this one, between start and stop:
+    on a shared machine, which process burned the cores says more than wall time."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def _read(self) -> dict[str, float]:
+        out = {"client": time.process_time()}
+        for name, pid in self.pids.items():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / self._tick
+        return out
+
+    def measure(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+        before, wall = self._read(), time.perf_counter()
+        result = fn()
+        after = self._read()
+        cpu = {k: after[k] - before[k] for k in after}
+        cpu["wall"] = time.perf_counter() - wall
+        return result, cpu
+
+
+# -- prompts ------------------------------------------------------------------------------
+
+
+def random_prompt(tokenizer: PreTrainedTokenizerBase, rng: random.Random, tokens: int) -> str:
+    """Text that encodes to at most ``tokens`` tokens (BOS included): decoded random ids,
+    trimmed until re-encoding fits, since decoding then encoding may split or merge."""
+    special = set(tokenizer.all_special_ids)
+    vocab = range(max(special) + 1, len(tokenizer))
+    ids = [rng.choice(vocab) for _ in range(tokens - 1)]
+    while True:
+        text = tokenizer.decode(ids)
+        if len(tokenizer(text).input_ids) <= tokens:
+            return text
+        ids = ids[:-1]
+
+
+# -- through the gateway ------------------------------------------------------------------
+
+
+async def sse_stream(session: aiohttp.ClientSession, url: str, model: str, pool: str, prompt: str,
+                     max_tokens: int) -> Trace:
+    """One streamed completion, timestamping each ``data:`` chunk that carries text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    trace = Trace(time.perf_counter())
+    async with session.post(url + "/v1/completions", json=body, headers={"x-slogate-class": pool}) as resp:
+        trace.status = resp.status
+        async for line in resp.content:
+            now = time.perf_counter()
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                trace.status = chunk["error"].get("status") or 599
+            elif chunk.get("usage"):
+                trace.tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                trace.chunks.append(now)
+    return trace
+
+
+async def closed_loop(url: str, model: str, pool: str, prompts: list[str], concurrency: int,
+                      max_tokens: int) -> list[Trace]:
+    """``concurrency`` clients share ``prompts``, each sending its next one when the last ends."""
+    queue = iter(prompts)
+    traces: list[Trace] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        async def client() -> None:
+            for prompt in queue:
+                traces.append(await sse_stream(session, url, model, pool, prompt, max_tokens))
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return traces
+
+
+async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long: str | None,
+                       short_tokens: int, lead_chunks: int = 8) -> dict[str, Any]:
+    """8 short streams run; once each has ``lead_chunks`` chunks the long prompt (if any) is
+    sent. Gaps are the short streams' after their lead; the window is the long prompt's
+    prefill (sent until its first chunk), or the same time span when there is none."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        tasks = [asyncio.create_task(sse_stream(session, url, model, pool, p, short_tokens)) for p in shorts]
+        leads: list[Trace] = []
+        while len(leads) < len(tasks):
+            await asyncio.sleep(0.005)
+            leads = [t for t in _running_traces(tasks) if len(t.chunks) >= lead_chunks]
+            if all(t.done() for t in tasks):
+                raise RuntimeError("the short streams ended before the long prompt was sent; raise --long-short-tokens")
+        sent = time.perf_counter()
+        big = await sse_stream(session, url, model, pool, long, 1) if long else None
+        traces = await asyncio.gather(*tasks)
+    window_end = big.chunks[0] if big and big.chunks else sent + 0.5
+    after_lead = [g for t in traces for g in t.gaps(after=t.chunks[lead_chunks - 1] + 1e-9)]
+    in_window = [g for t in traces for g in t.gaps(after=sent, before=window_end + 1e-9)]
+    # the gap spanning the window's end is the one a prefill stall shows up in
+    spanning = [b - a for t in traces for a, b in zip(t.chunks, t.chunks[1:]) if a < window_end <= b]
+    worst = max(in_window + spanning, default=float("nan"))
+    return {
+        "median_gap_s": statistics.median(after_lead),
+        "worst_gap_s": worst,
+        "worst_gap_anywhere_s": max(after_lead),
+        "long_ttft_s": big.ttft if big else None,
+        "statuses": sorted({t.status for t in traces} | ({big.status} if big else set())),
+    }
+
+
+def _running_traces(tasks: list[asyncio.Task[Trace]]) -> list[Trace]:
+    """The partial traces of running ``sse_stream`` tasks (their coroutine's local ``trace``)."""
+    out = []
+    for task in tasks:
+        if task.done():
+            out.append(task.result())
+        else:
+            frame = task.get_coro().cr_frame
+            if frame is not None and "trace" in frame.f_locals:
+                out.append(frame.f_locals["trace"])
+    return out
+
+
+# -- transformers in process --------------------------------------------------------------
+
+
+class _TimedStreamer(TextIteratorStreamer):
+    """Also timestamps every token ``generate`` hands over (``put``), before any text is held."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__(tokenizer, skip_prompt=True)
+        self.token_times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self._prompt_seen:
+            self.token_times += [time.perf_counter()] * value.numel()
+        self._prompt_seen = True
+        super().put(value)
+
+
+def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[str], concurrency: int,
+                   max_tokens: int) -> tuple[list[Trace], list[Trace]]:
+    """One thread per concurrent stream, each running ``generate`` with its own streamer and a
+    consumer thread that timestamps what the streamer yields. Returns (chunk traces, token
+    traces)."""
+    queue = iter(prompts)
+    lock = threading.Lock()
+    chunks: list[Trace] = []
+    tokens: list[Trace] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                prompt = next(queue, None)
+            if prompt is None:
+                return
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            streamer = _TimedStreamer(tokenizer)
+            trace = Trace(time.perf_counter())
+            gen = threading.Thread(target=model.generate, kwargs={
+                "input_ids": ids, "attention_mask": torch.ones_like(ids), "streamer": streamer,
+                "do_sample": False, "max_new_tokens": max_tokens, "min_new_tokens": max_tokens})
+            gen.start()
+            for text in streamer:
+                if text:
+                    trace.chunks.append(time.perf_counter())
+            gen.join()
+            trace.tokens = len(streamer.token_times)
+            with lock:
+                chunks.append(trace)
+                tokens.append(Trace(trace.sent, streamer.token_times, trace.tokens))
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return chunks, tokens
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, float]) -> dict[str, Any]:
+    ok = [t for t in traces if t.status == 200 and t.chunks]
+    ttfts = [t.ttft for t in ok]
+    gaps = [g for t in ok for g in t.gaps()]
+    return {
+        "contender": name, "streams": streams, "requests": len(traces), "errors": len(traces) - len(ok),
+        "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "itl_p50_ms": percentile(gaps, 50) * 1000, "itl_p99_ms": percentile(gaps, 99) * 1000,
+        "chunks_per_stream": statistics.mean(len(t.chunks) for t in ok) if ok else 0.0,
+        "tokens_per_stream": statistics.mean(t.tokens for t in ok) if ok else 0.0,
+        "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
+        "loadavg_1m": os.getloadavg()[0],
+    }
+
+
+def targets(rows: list[dict[str, Any]], prefill: list[dict[str, Any]], top: int) -> list[str]:
+    def get(name: str, streams: int) -> dict[str, Any] | None:
+        return next((r for r in rows if r["contender"] == name and r["streams"] == streams), None)
+
+    lines = []
+    one, many, paged = get("stream engine", 1), get("stream engine", top), get("paged engine", top)
+    if one and many:
+        ok = many["ttft_p99_ms"] <= 2 * one["ttft_p50_ms"]
+        lines.append(f"- stream engine TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms vs 2x its "
+                     f"1-stream TTFT (P50 {one['ttft_p50_ms']:.1f} ms): **{'met' if ok else 'not met'}**")
+    if many and paged:
+        ok = many["ttft_p99_ms"] < paged["ttft_p99_ms"]
+        lines.append(f"- stream engine TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms below the paged "
+                     f"engine's {paged['ttft_p99_ms']:.1f} ms: **{'met' if ok else 'not met'}**")
+    for p in prefill:
+        if p["long_prompt"]:
+            ok = p["worst_gap_s"] <= 3 * p["median_gap_s"]
+            lines.append(f"- {p['contender']}: worst gap during the long prefill {p['worst_gap_s'] * 1000:.1f} ms "
+                         f"vs 3x median {3 * p['median_gap_s'] * 1000:.1f} ms (repeat {p['repeat']}): "
+                         f"**{'met' if ok else 'not met'}**")
+    return lines
+
+
+def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[dict[str, Any]],
+           long_tokens: int, threads: int) -> str:
+    latency = markdown_table(
+        ["contender", "streams", "requests", "errors", "TTFT P50 ms", "TTFT P99 ms", "ITL P50 ms", "ITL P99 ms",
+         "chunks/stream", "tokens/stream", "wall s", "CPU s gateway", "CPU s worker", "CPU s redis",
+         "CPU s client", "load 1m"],
+        [[r["contender"], r["streams"], r["requests"], r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
+          r["itl_p50_ms"], r["itl_p99_ms"], r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"],
+          r["cpu_s"].get("gateway", "-"), r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"),
+          r["cpu_s"]["client"], r["loadavg_1m"]] for r in rows])
+    long = markdown_table(
+        ["engine", "repeat", "long prompt", "median gap ms", "worst gap in window ms", "worst / median",
+         "worst gap anywhere ms", "long prompt TTFT ms", "statuses", "CPU s worker", "wall s"],
+        [[p["contender"], p["repeat"], "yes" if p["long_prompt"] else "no (control)", p["median_gap_s"] * 1000,
+          p["worst_gap_s"] * 1000, f"{p['worst_gap_s'] / p['median_gap_s']:.2f}x", p["worst_gap_anywhere_s"] * 1000,
+          p["long_ttft_s"] * 1000 if p["long_ttft_s"] else "-", p["statuses"], p["cpu_s"]["worker"],
+          p["cpu_s"]["wall"]] for p in prefill])
+    top = max(args.levels)
+    return "\n".join([
+        f"# Stream engine benchmark ({args.size} model, fp32, CPU)",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
+        f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
+        f"random ids), max_tokens {args.max_tokens}, greedy, ignore_eos; closed loop, {args.rounds} request(s) per "
+        f"client. Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
+        f"torch's default threads; ITL = gap between text chunks. transformers rows: in process, one thread per "
+        f"stream, {threads} torch thread; 'chunks' times what TextIteratorStreamer yields (held to word "
+        f"boundaries), 'tokens' times its put(). CPU s: seconds each process spent in the scenario ('worker' is "
+        f"the serving one); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.",
+        "",
+        latency,
+        "",
+        f"## A {long_tokens}-token prompt arriving while 8 short streams run",
+        "",
+        f"8 streams of max_tokens {args.long_short_tokens}; once each has 8 chunks the long prompt (max_tokens 1) "
+        f"is sent to the same pool. Median gap: the short streams' gaps after those 8 chunks; worst gap in "
+        f"window: the largest gap that ends between sending the long prompt and its first token, or spans that "
+        f"token. Control rows: no long prompt, window of 0.5 s.",
+        "",
+        long,
+        "",
+        "## Targets",
+        "",
+        *targets(rows, prefill, top),
+    ])
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="tiny", choices=["tiny", "100m"])
+    parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
+    parser.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="longest short prompt (BOS included)")
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--long-short-tokens", type=int, default=96, help="max_tokens of the 8 short streams")
+    parser.add_argument("--long-repeats", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=16, help="the stream engine's max_batch")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        n_prompts = sum(level * args.rounds for level in args.levels) + 8 * (2 * args.long_repeats + 1) + 4
+        prompts = [random_prompt(tokenizer, rng, rng.randint(16, args.prompt_tokens)) for _ in range(n_prompts)]
+        long_prompt = random_prompt(tokenizer, rng, args.long_tokens)
+        long_tokens = len(tokenizer(long_prompt).input_ids)
+        rows, prefill = run_gateway(args, Path(model_dir), prompts, long_prompt)
+        if not args.skip_transformers:
+            rows += run_transformers(args, Path(model_dir), tokenizer, prompts)
+
+    text = render(args, rows, prefill, long_tokens, torch.get_num_threads())
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"stream_engine_{args.size}.md").write_text(text + "\n")
+    payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+               "long_prompt_tokens": long_tokens, "rows": rows, "long_prefill": prefill}
+    (RESULTS / f"stream_engine_{args.size}.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: list[str],
+                long_prompt: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Both engines behind one gateway; each load level, then the long-prompt scenario."""
+    model = model_dir.name
+    rows: list[dict[str, Any]] = []
+    prefill: list[dict[str, Any]] = []
+    pool_prompts = iter(prompts)
+
+    def take(n: int) -> list[str]:
+        return [next(pool_prompts) for _ in range(n)]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = LocalRedis(Path(tmp)).start()
+        stack = Stack(redis.url, {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)})
+        try:
+            stack.gateway()
+            workers = {"stream": stack.worker("interactive", "stream", 'dtype="fp32"', f"max_batch={args.max_batch}"),
+                       "paged": stack.worker("batch", "paged", 'dtype="fp32"')}
+            stack.wait_models(model, pools=2, timeout=300)
+            warm = take(4)
+            for engine, pool in POOLS.items():
+                asyncio.run(closed_loop(stack.url, model, pool, warm, 4, 8))
+            for engine, pool in POOLS.items():
+                meter = CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
+                                  "redis": redis.proc.pid})
+                for level in args.levels:
+                    batch = take(level * args.rounds)
+                    traces, cpu = meter.measure(lambda: asyncio.run(
+                        closed_loop(stack.url, model, pool, batch, level, args.max_tokens)))
+                    rows.append(latency_row(f"{engine} engine", level, traces, cpu))
+                    print(json.dumps(rows[-1]), flush=True)
+                shorts = take(8)
+                for repeat in range(args.long_repeats):
+                    for long in (None, long_prompt):
+                        result, cpu = meter.measure(lambda: asyncio.run(long_prefill(
+                            stack.url, model, pool, shorts, long, args.long_short_tokens)))
+                        prefill.append({"contender": f"{engine} engine", "repeat": repeat + 1,
+                                        "long_prompt": long is not None, **result,
+                                        "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
+                        print(json.dumps(prefill[-1]), flush=True)
+        finally:
+            stack.stop()
+            redis.stop()
+    return rows, prefill
+
+
+def run_transformers(args: argparse.Namespace, model_dir: Path, tokenizer: PreTrainedTokenizerBase,
+                     prompts: list[str]) -> list[dict[str, Any]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    meter = CpuMeter({})
+    hf_closed_loop(model, tokenizer, prompts[:2], 2, 8)
+    rows = []
+    used = 0
+    for level in args.levels:
+        batch = prompts[used : used + level * args.rounds]
+        used += len(batch)
+        (chunks, tokens), cpu = meter.measure(lambda: hf_closed_loop(model, tokenizer, batch, level, args.max_tokens))
+        rows.append(latency_row("transformers TextIteratorStreamer (chunks)", level, chunks, cpu))
+        rows.append(latency_row("transformers TextIteratorStreamer (tokens)", level, tokens, cpu))
+        print(json.dumps(rows[-2]), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The streaming and paged engines behind the gateway, on the tiny model, through the SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import redis
+
+from slogate import protocol
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack
+from tests.e2e.conftest import FAST_FLEET
+
+PROMPT = [{"role": "user", "content": "Summarise the risk of counterparty 7: 风险 🚀"}]
+
+
+@pytest.fixture(scope="module")
+def engines_stack(redis_server: LocalRedis, tiny_model_dir: Path) -> Iterator[tuple[Stack, str]]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_MODEL": str(tiny_model_dir),
+                                     "SLOGATE_ADMISSION_CONTROL": "0"})
+    stack.gateway()
+    stack.worker("interactive", "stream", "dtype=\"fp32\"")
+    stack.worker("batch", "paged", "dtype=\"fp32\"", "num_blocks=256")
+    model = tiny_model_dir.name
+    stack.wait_models(model, pools=2, timeout=120)
+    yield stack, model
+    stack.stop()
+
+
+def test_streamed_chunks_arrive_one_token_at_a_time(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    full = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-slogate-class": "interactive"}))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12 == full.usage.completion_tokens
+    assert "".join(texts) == full.choices[0].message.content
+    # One chunk per token, except where a token ends mid-character (held until it is whole).
+    assert len(texts) >= usage.completion_tokens - 3
+
+
+def test_both_pools_give_the_same_greedy_answer(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    answers = {}
+    for cls in ("interactive", "batch"):
+        resp = client.chat.completions.with_raw_response.create(
+            model=model, messages=PROMPT, max_tokens=10, temperature=0, extra_headers={"x-slogate-class": cls})
+        assert resp.headers["x-slogate-pool"] == cls
+        answers[cls] = resp.parse().choices[0].message.content
+    assert answers["interactive"] == answers["batch"]
+
+
+def test_heartbeats_carry_engine_load(engines_stack) -> None:
+    stack, _ = engines_stack
+    client = redis.Redis.from_url(stack.redis_url)
+    beats = {}
+    deadline = time.monotonic() + 5
+    while len(beats) < 2 and time.monotonic() < deadline:
+        beats = {hb.pool: hb for hb in (protocol.decode_heartbeat(client.get(k)) for k in client.scan_iter("slogate:hb:*"))}
+        time.sleep(0.1)
+    client.close()
+    assert beats["batch"].engine == "paged" and beats["interactive"].engine == "stream"
+    assert beats["batch"].capacity > 0 and 0.0 <= beats["batch"].kv_usage <= 1.0
+    assert beats["interactive"].models[0].max_context >= 2048
+
+
+def test_prompt_beyond_context_is_400_naming_the_numbers(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="risk " * 3000, max_tokens=100,
+                                  extra_headers={"x-slogate-class": "batch"})
+    assert "context" in str(info.value)
+    assert json.loads(info.value.response.text)["error"]["type"] == "invalid_request_error"
