@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from engines.base import Engine
@@ -10,9 +11,22 @@ from engines.base import Engine
 ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
 
 
+def quiet_model_loading() -> None:
+    """Progress bars from model loading would break the one-JSON-object-a-line logs."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def create_engine(name: str, model: str | None, options: dict[str, Any]) -> Engine:
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
+    quiet_model_loading()
     try:
         module = importlib.import_module(ENGINES[name])
     except ImportError as exc:

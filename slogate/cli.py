@@ -53,8 +53,10 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def cmd_tiny_model(args: argparse.Namespace, cfg: Config) -> None:
+    from engines.registry import quiet_model_loading
     from engines.runtime.tiny_model import build_tiny_model
 
+    quiet_model_loading()
     path = build_tiny_model(args.dir, size=args.size, seed=args.seed)
     print(path)
 

@@ -27,8 +27,10 @@ REAL_ENGINES = {"stream", "paged"}
 def _tiny_model(state_dir: Path) -> str:
     target = state_dir / "models" / "tiny"
     if not (target / "config.json").exists():
+        from engines.registry import quiet_model_loading
         from engines.runtime.tiny_model import build_tiny_model
 
+        quiet_model_loading()
         log.info("building the tiny model under %s (first run only)", target)
         build_tiny_model(target)
     return str(target)
