@@ -107,9 +107,10 @@ def random_prompt(tokenizer: PreTrainedTokenizerBase, rng: random.Random, tokens
     ids = [rng.choice(vocab) for _ in range(tokens - 1)]
     while True:
         text = tokenizer.decode(ids)
-        if len(tokenizer(text).input_ids) <= tokens:
+        excess = len(tokenizer(text, verbose=False).input_ids) - tokens
+        if excess <= 0:
             return text
-        ids = ids[:-1]
+        ids = ids[: len(ids) - excess]
 
 
 # -- through the gateway ------------------------------------------------------------------

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError, ResponseError
@@ -207,7 +208,8 @@ class Worker:
                 await self._drop(aborted)
             expired = self._expire()
             if expired:
-                await self._drop(expired, deadline=True)
+                await self._drop(expired, Error("the request did not finish before its deadline",
+                                                "deadline_exceeded", 504))
             if not self.engine.has_unfinished():
                 if self._stopping.is_set():
                     return
@@ -215,10 +217,19 @@ class Worker:
                 await self._wake.wait()
                 continue
             started = time.perf_counter()
-            if inline:
-                outputs = self.engine.step()
-            else:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            try:
+                if inline:
+                    outputs = self.engine.step()
+                else:
+                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception:  # an engine bug or out of memory: fail what it held, keep serving
+                log.exception("engine step failed; failing the %d request(s) it held", len(self.inflight))
+                jobs = list(self.inflight.values())
+                self.inflight.clear()
+                for job in jobs:
+                    self.engine.abort_request(job.req.id)
+                await self._drop(jobs, Error("the engine failed while serving this request", "engine_error", 500))
+                continue
             self.metrics.step.observe(time.perf_counter() - started)
             if outputs:
                 await self._publish(outputs)
@@ -251,17 +262,17 @@ class Worker:
             self.engine.abort_request(job.req.id)
         return expired
 
-    async def _drop(self, jobs: list[_InFlight], deadline: bool = False) -> None:
-        """Settle requests stopped early: acknowledged, and with a result stream only when
-        someone may still read it (a deadline), since a cancelling gateway stopped reading."""
+    async def _drop(self, jobs: list[_InFlight], error: Error | None = None) -> None:
+        """Settle requests stopped early: acknowledged, and told ``error`` if someone still
+        reads their result stream; without one (a cancel) the gateway stopped reading, so the
+        stream goes."""
         for _ in jobs:
-            self.metrics.finished("deadline" if deadline else "cancelled")
+            self.metrics.finished(error.code if error else "cancelled")
         try:
             async with self.redis.pipeline(transaction=False) as p:
                 for job in jobs:
-                    if deadline:
-                        self._write(p, job, Error("the request did not finish before its deadline",
-                                                  "deadline_exceeded", 504, job.attempt))
+                    if error is not None:
+                        self._write(p, job, msgspec.structs.replace(error, attempt=job.attempt))
                     else:
                         p.delete(keys.result(job.req.id))
                 p.xack(self.queue, keys.GROUP, *(j.entry_id for j in jobs))

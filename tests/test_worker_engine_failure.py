@@ -1,0 +1,64 @@
+"""A worker whose engine raises fails the requests it held and goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from engines.sim import create
+from engines.worker import Worker, WorkerSettings
+from slogate import keys, protocol
+from slogate.protocol import Error, Final, GenerateRequest, SamplingParams
+
+
+class FlakyEngine:
+    """The sim engine, except that its first step blows up (a stand-in for an OOM)."""
+
+    def __init__(self) -> None:
+        self.inner = create(decode_base_s=0)
+        self.failed = False
+        self.name, self.model_id, self.max_context = "flaky", "m", 8192
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return self.inner.step()
+
+
+async def results(client: aioredis.Redis, request_id: str, timeout: float = 5.0) -> list:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        entries = await client.xrange(keys.result(request_id))
+        records = [protocol.decode_result(f[protocol.FIELD]) for _, f in entries]
+        if records and not isinstance(records[-1], protocol.Delta):
+            return records
+        await asyncio.sleep(0.02)
+    raise AssertionError("no final record")
+
+
+async def test_engine_failure_fails_held_requests_then_recovers(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(FlakyEngine(), client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        for rid in ("first", "second"):
+            req = GenerateRequest(id=rid, model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=3),
+                                  deadline=time.time() + 30, enqueued_at=time.time(), prompt="hello")
+            await client.xadd(keys.queue("p"), {protocol.ID_FIELD: rid, protocol.FIELD: protocol.encode(req)})
+            records = await results(client, rid)
+            if rid == "first":
+                assert isinstance(records[-1], Error) and records[-1].status == 500
+                assert records[-1].code == "engine_error"
+            else:
+                assert isinstance(records[-1], Final) and records[-1].completion_tokens == 3
+        assert (await client.xpending(keys.queue("p"), keys.GROUP))["pending"] == 0
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+        await client.aclose()
