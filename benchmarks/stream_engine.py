@@ -41,13 +41,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import redis
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextIteratorStreamer
 
 from benchmarks.loadgen import markdown_table, percentile
+from engines import paged, stream
+from engines.base import Engine, EngineRequest
 from engines.runtime.tiny_model import build_tiny_model
+from slogate import keys, protocol
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack
+from slogate.protocol import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 POOLS = {"stream": "interactive", "paged": "batch"}
@@ -94,6 +99,19 @@ class CpuMeter:
         cpu = {k: after[k] - before[k] for k in after}
         cpu["wall"] = time.perf_counter() - wall
         return result, cpu
+
+
+def worker_fit(redis_url: str, pool: str) -> dict[str, float]:
+    """The stream worker's warmup as its first heartbeat reports it: ``decode_step_s`` starts
+    as the one-token pass (the engine's fixed prefill cost) and ``prefill_s_per_token`` as the
+    per-token cost measured at position 0."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        key = next(client.scan_iter(match=keys.heartbeat(pool, "*")))
+        beat = protocol.decode_heartbeat(client.get(key))
+    finally:
+        client.close()
+    return {"fixed_ms": beat.decode_step_s * 1000, "per_token_us": beat.prefill_s_per_token * 1e6}
 
 
 # -- prompts ------------------------------------------------------------------------------
@@ -185,6 +203,70 @@ async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long:
     }
 
 
+# -- engines in process ---------------------------------------------------------------
+
+
+def engine_closed_loop(engine: Engine, prompts: list[str], concurrency: int, max_tokens: int) -> list[Trace]:
+    """The same closed loop with no gateway, Redis or worker: requests go straight into the
+    engine and each output with text is timestamped as it leaves ``step``. What the gateway
+    rows add on top of these is the serving path's cost."""
+    queue = iter(enumerate(prompts))
+    live: dict[str, Trace] = {}
+    traces: list[Trace] = []
+
+    def send() -> None:
+        item = next(queue, None)
+        if item is not None:
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            live[f"p{item[0]}"] = trace = Trace(time.perf_counter())
+            engine.add_request(EngineRequest(f"p{item[0]}", sampling, time.time() + 3600, prompt=item[1]))
+            traces.append(trace)
+
+    for _ in range(concurrency):
+        send()
+    while engine.has_unfinished():
+        for out in engine.step():
+            trace = live[out.request_id]
+            if out.text:
+                trace.chunks.append(time.perf_counter())
+            trace.tokens = out.completion_tokens
+            if out.error:
+                trace.status = out.error_status
+            if out.finish_reason is not None:
+                del live[out.request_id]
+                send()
+    return traces
+
+
+def warmup_fit(engine: stream.StreamEngine) -> dict[str, float]:
+    """What the stream engine's warmup measured: every chunk and whole-prompt decision is
+    priced from it, so a fit taken while the host was busy shows up in TTFT."""
+    cost = engine.prefill_cost
+    return {"fixed_ms": cost.fixed_s * 1000, "per_token_us": cost.per_token_s * 1e6,
+            "per_token_per_position_ns": cost.per_token_per_position_s * 1e9}
+
+
+def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
+                   threads: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Both engines in this process at the workers' thread count, one load level at a time."""
+    torch.set_num_threads(threads)
+    engines: dict[str, Engine] = {
+        "stream": stream.create(str(model_dir), dtype="fp32", max_batch=args.max_batch),
+        "paged": paged.create(str(model_dir), dtype="fp32"),
+    }
+    fit = warmup_fit(engines["stream"])
+    meter = CpuMeter({})
+    rows = []
+    for name, engine in engines.items():
+        engine_closed_loop(engine, prompts.warmup, 4, 8)
+        for level, batch in prompts.levels.items():
+            traces, cpu = meter.measure(lambda: engine_closed_loop(engine, batch, level, args.max_tokens))
+            rows.append(latency_row(f"{name} engine, in process", level, traces, cpu))
+            print(json.dumps(rows[-1]), flush=True)
+    torch.set_num_threads(1)
+    return rows, fit
+
+
 # -- transformers in process --------------------------------------------------------------
 
 
@@ -266,16 +348,18 @@ def targets(rows: list[dict[str, Any]], prefill: list[dict[str, Any]], top: int)
         return next((r for r in rows if r["contender"] == name and r["streams"] == streams), None)
 
     lines = []
-    one, many, paged = get("stream engine", 1), get("stream engine", top), get("paged engine", top)
-    if one and many:
-        ok = many["ttft_p99_ms"] <= 2 * one["ttft_p50_ms"]
-        lines.append(f"- stream engine TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms <= 2x its 1-stream "
-                     f"TTFT P50 ({2 * one['ttft_p50_ms']:.1f} ms): **{'met' if ok else 'not met'}** "
-                     f"(2x its 1-stream P99: {2 * one['ttft_p99_ms']:.1f} ms)")
-    if many and paged:
-        ok = many["ttft_p99_ms"] < paged["ttft_p99_ms"]
-        lines.append(f"- stream engine TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms below the paged "
-                     f"engine's {paged['ttft_p99_ms']:.1f} ms: **{'met' if ok else 'not met'}**")
+    for where in ("", ", in process"):
+        one, many, paged = get(f"stream engine{where}", 1), get(f"stream engine{where}", top), get(f"paged engine{where}", top)
+        label = f"stream engine{where or ' (gateway)'}"
+        if one and many:
+            ok = many["ttft_p99_ms"] <= 2 * one["ttft_p50_ms"]
+            lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms <= 2x its 1-stream TTFT "
+                         f"P50 ({2 * one['ttft_p50_ms']:.1f} ms): **{'met' if ok else 'not met'}** "
+                         f"(2x its 1-stream P99: {2 * one['ttft_p99_ms']:.1f} ms)")
+        if many and paged:
+            ok = many["ttft_p99_ms"] < paged["ttft_p99_ms"]
+            lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms below the paged "
+                         f"engine's {paged['ttft_p99_ms']:.1f} ms: **{'met' if ok else 'not met'}**")
     for p in prefill:
         if p["long_prompt"]:
             ok = p["worst_gap_s"] <= 3 * p["median_gap_s"]
@@ -286,7 +370,7 @@ def targets(rows: list[dict[str, Any]], prefill: list[dict[str, Any]], top: int)
 
 
 def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[dict[str, Any]],
-           long_tokens: int, threads: int) -> str:
+           fits: dict[str, dict[str, float]], long_tokens: list[int], threads: int) -> str:
     latency = markdown_table(
         ["contender", "streams", "requests", "errors", "TTFT P50 ms", "TTFT P99 ms", "ITL P50 ms", "ITL P99 ms",
          "chunks/stream", "tokens/stream", "wall s", "CPU s gateway", "CPU s worker", "CPU s redis",
@@ -310,22 +394,29 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[d
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
         f"random ids), max_tokens {args.max_tokens}, greedy, ignore_eos; closed loop, {args.rounds} request(s) per "
         f"client. Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
-        f"torch's default threads; ITL = gap between text chunks. transformers rows: in process, one thread per "
-        f"stream, {threads} torch thread; 'chunks' times what TextIteratorStreamer yields (held to word "
+        f"torch's default threads ({threads}); ITL = gap between text chunks. 'in process' rows: the same engines "
+        f"and loop with no gateway, Redis or worker, timed as outputs leave step(). transformers rows: in "
+        f"process, one thread per stream, 1 torch thread; 'chunks' times what TextIteratorStreamer yields (held to word "
         f"boundaries), 'tokens' times its put(). CPU s: seconds each process spent in the scenario ('worker' is "
-        f"the serving one); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.",
+        f"the serving one); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is "
+        f"nearest rank: of 64 samples the second largest, of 16 or fewer the largest.",
         "",
         latency,
         "",
-        f"## A {long_tokens}-token prompt arriving while 8 short streams run",
+        "Stream engine warmup fit (it prices every prefill decision): "
+        + "; ".join(f"{where}: " + ", ".join(f"{k} {v:.3g}" for k, v in fit.items()) for where, fit in fits.items())
+        + ".",
         "",
-        f"8 streams of max_tokens {args.long_short_tokens}; once each has 8 chunks the long prompt (max_tokens 1) "
-        f"is sent to the same pool. Median gap: the short streams' gaps after those 8 chunks; worst gap in "
-        f"window: the largest gap that ends between sending the long prompt and its first token, or spans that "
-        f"token. Control rows: the same with no long prompt; their window is everything after the 8 chunks.",
-        "",
-        long,
-        "",
+        *([f"## A {min(long_tokens)}-{max(long_tokens)}-token prompt arriving while 8 short streams run",
+           "",
+           f"8 streams of max_tokens {args.long_short_tokens}; once each has 8 chunks the long prompt (max_tokens 1) "
+           f"is sent to the same pool. Median gap: the short streams' gaps after those 8 chunks; worst gap in "
+           f"window: the largest gap that ends between sending the long prompt and its first token, or spans that "
+           f"token. Control rows: the same with no long prompt; their window is everything after the 8 chunks. "
+           f"Each repeat uses fresh prompts, so the paged engine's prefix cache never helps.",
+           "",
+           long,
+           ""] if prefill else []),
         "## Targets",
         "",
         *targets(rows, prefill, top),
@@ -371,31 +462,38 @@ def main() -> None:
     parser.add_argument("--long-short-tokens", type=int, default=96, help="max_tokens of the 8 short streams")
     parser.add_argument("--long-repeats", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=16, help="the stream engine's max_batch")
+    parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = make_prompts(tokenizer, args)
         long_tokens = [len(tokenizer(long).input_ids) for _, _, long in prompts.long]
-        rows, prefill = run_gateway(args, model_dir, prompts)
+        rows, prefill, fits = run_gateway(args, model_dir, prompts)
+        fits = {"worker (first heartbeat)": fits}
+        if not args.skip_in_process:
+            in_process, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
+            rows += in_process
         if not args.skip_transformers:
             rows += run_transformers(args, model_dir, tokenizer, prompts)
 
-    text = render(args, rows, prefill, min(long_tokens), torch.get_num_threads())
+    text = render(args, rows, prefill, fits, long_tokens, threads)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"stream_engine_{args.size}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "long_prompt_tokens": long_tokens, "rows": rows, "long_prefill": prefill}
+               "long_prompt_tokens": long_tokens, "stream_engine_warmup_fit": fits, "rows": rows,
+               "long_prefill": prefill}
     (RESULTS / f"stream_engine_{args.size}.json").write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def run_gateway(args: argparse.Namespace, model_dir: Path,
-                prompts: Prompts) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                prompts: Prompts) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
     """Both engines behind one gateway; each load level, then the long-prompt scenario."""
     model = model_dir.name
     rows: list[dict[str, Any]] = []
@@ -408,6 +506,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path,
             workers = {"stream": stack.worker("interactive", "stream", 'dtype="fp32"', f"max_batch={args.max_batch}"),
                        "paged": stack.worker("batch", "paged", 'dtype="fp32"')}
             stack.wait_models(model, pools=2, timeout=300)
+            fit = worker_fit(redis.url, POOLS["stream"])
             for engine, pool in POOLS.items():
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup, 4, 8))
                 meter = CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
@@ -428,7 +527,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path,
         finally:
             stack.stop()
             redis.stop()
-    return rows, prefill
+    return rows, prefill, fit
 
 
 def run_transformers(args: argparse.Namespace, model_dir: Path, tokenizer: PreTrainedTokenizerBase,

@@ -263,9 +263,8 @@ class Worker:
         return expired
 
     async def _drop(self, jobs: list[_InFlight], error: Error | None = None) -> None:
-        """Settle requests stopped early: acknowledged, and told ``error`` if someone still
-        reads their result stream; without one (a cancel) the gateway stopped reading, so the
-        stream goes."""
+        """Settle requests stopped early: acknowledged, and told ``error`` when their gateway
+        still waits (a deadline, an engine failure); a cancel needs no answer."""
         for _ in jobs:
             self.metrics.finished(error.code if error else "cancelled")
         try:
@@ -273,8 +272,6 @@ class Worker:
                 for job in jobs:
                     if error is not None:
                         self._write(p, job, msgspec.structs.replace(error, attempt=job.attempt))
-                    else:
-                        p.delete(keys.result(job.req.id))
                 p.xack(self.queue, keys.GROUP, *(j.entry_id for j in jobs))
                 p.xdel(self.queue, *(j.entry_id for j in jobs))
                 await p.execute()
@@ -333,10 +330,11 @@ class Worker:
                        **attrs, **{"slogate.completion_tokens": out.completion_tokens})
 
     def _write(self, p: aioredis.client.Pipeline, job: _InFlight, msg: Delta | Final | Error) -> None:
-        """Append to the request's result stream; its first write also sets the stream's TTL,
-        so a stream nobody reads (its gateway died) still goes away."""
-        key = keys.result(job.req.id)
-        p.xadd(key, {protocol.FIELD: self.sealer.seal(protocol.encode(msg), job.req.id.encode())})
+        """Append to the gateway's reply stream; a request's first write also extends the
+        stream's TTL past the request's deadline, so a stream whose gateway died goes away."""
+        key = job.req.reply
+        rid = job.req.id.encode()
+        p.xadd(key, {protocol.ID_FIELD: rid, protocol.FIELD: self.sealer.seal(protocol.encode(msg), rid)})
         if not job.expiring:
             job.expiring = True
             ttl = max(1.0, job.req.deadline - time.time()) + self.s.result_ttl_s

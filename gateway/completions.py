@@ -122,7 +122,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     request_id = uuid.uuid4().hex
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
-        deadline=deadline, enqueued_at=arrived, prompt=parsed.prompt, messages=parsed.messages,
+        deadline=deadline, enqueued_at=arrived, reply=state.mux.key, prompt=parsed.prompt, messages=parsed.messages,
         stream=parsed.stream, trace=tracing.inject())
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": admission}
@@ -314,9 +314,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
 def _observe(job: _Job) -> None:
     """Metrics for every request; for finished ones, teach the admission controller what
     they cost; for ones the pool failed, count it against the pool's breaker."""
-    m = job.state.metrics
-    labels = job.labels
-    m.requests.labels(*labels, job.outcome).inc()
+    job.state.metrics.finished(*job.labels, job.outcome)
     end = time.time()
     rec = job.final
     if rec is None:
@@ -324,14 +322,15 @@ def _observe(job: _Job) -> None:
             job.state.admission.observe_failure(job.gen.pool, end)
         return
     e2e = end - job.arrived
-    m.e2e.labels(*labels).observe(e2e)
-    m.queue_wait.labels(*labels).observe(rec.queue_wait_s)
-    m.prompt_tokens.labels(*labels).inc(rec.prompt_tokens)
-    m.generation_tokens.labels(*labels).inc(rec.completion_tokens)
+    m = job.state.metrics.series(*job.labels)
+    m.e2e.observe(e2e)
+    m.queue_wait.observe(rec.queue_wait_s)
+    m.prompt_tokens.inc(rec.prompt_tokens)
+    m.generation_tokens.inc(rec.completion_tokens)
     if job.first_token_at:
-        m.ttft.labels(*labels).observe(job.first_token_at - job.arrived)
+        m.ttft.observe(job.first_token_at - job.arrived)
         if rec.completion_tokens > 1:
-            m.tpot.labels(*labels).observe((end - job.first_token_at) / (rec.completion_tokens - 1))
+            m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
     job.state.admission.observe(
         pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
         completion_tokens=rec.completion_tokens, queue_wait_s=rec.queue_wait_s,

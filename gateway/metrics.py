@@ -6,6 +6,9 @@ first bucket above the objective would make the objective invisible.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 FINE_BUCKETS = (
@@ -18,8 +21,23 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 
                      0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+@dataclass(frozen=True)
+class RequestSeries:
+    """The labelled series of one (class, pool, model), looked up once: ``labels()`` costs a
+    lock and a dict walk, which at thousands of requests a second adds up."""
+
+    e2e: Any
+    ttft: Any
+    tpot: Any
+    queue_wait: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._series: dict[tuple[str, str, str], RequestSeries] = {}
+        self._outcomes: dict[tuple[str, str, str, str], Any] = {}
         r = registry or CollectorRegistry()
         self.registry = r
         labels = ["class", "pool", "model"]
@@ -47,3 +65,19 @@ class GatewayMetrics:
         self.live_workers = Gauge("slogate_live_workers", "Workers with a live heartbeat", ["pool"], registry=r)
         self.kv_usage = Gauge("slogate_kv_cache_usage_ratio", "Mean KV-cache usage of a pool's workers",
                               ["pool"], registry=r)
+
+    def series(self, cls: str, pool: str, model: str) -> RequestSeries:
+        key = (cls, pool, model)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = RequestSeries(
+                self.e2e.labels(*key), self.ttft.labels(*key), self.tpot.labels(*key),
+                self.queue_wait.labels(*key), self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key))
+        return found
+
+    def finished(self, cls: str, pool: str, model: str, outcome: str) -> None:
+        key = (cls, pool, model, outcome)
+        counter = self._outcomes.get(key)
+        if counter is None:
+            counter = self._outcomes[key] = self.requests.labels(*key)
+        counter.inc()

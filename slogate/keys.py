@@ -9,8 +9,9 @@ def queue(pool: str) -> str:
     return f"{PREFIX}:q:{pool}"
 
 
-def result(request_id: str) -> str:
-    return f"{PREFIX}:r:{request_id}"
+def replies(gateway_id: str) -> str:
+    """Where a gateway's results arrive: every request it queues names this stream."""
+    return f"{PREFIX}:r:{gateway_id}"
 
 
 def cancel(request_id: str) -> str:

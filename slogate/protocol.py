@@ -15,7 +15,8 @@ import msgspec
 VERSION = 1
 FIELD = b"m"
 ID_FIELD = b"id"
-"""A queue entry carries its request id in the clear: it is the key that opens a sealed message."""
+"""Every entry carries its request id in the clear: it routes a record to its request and is
+what a sealed message is bound to."""
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 
@@ -52,6 +53,8 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
     deadline: float
     """Absolute unix time after which nobody waits for the answer."""
     enqueued_at: float
+    reply: str
+    """The stream the worker appends this request's records to (its gateway's)."""
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     stream: bool = False

@@ -47,7 +47,7 @@ def test_a_redis_dump_shows_no_customer_text(text: str, redis_url: str) -> None:
     sealer = Sealer(ring("k1"))
     request = protocol.GenerateRequest(id="r1", model="m", pool="p", cls="c",
                                        sampling=protocol.SamplingParams(), deadline=0.0,
-                                       enqueued_at=0.0, prompt=text)
+                                       enqueued_at=0.0, reply="slogate:r:g", prompt=text)
     completion = protocol.Delta(text=text, offset=0)
     client = redis.Redis.from_url(redis_url)
     client.xadd("q", {protocol.FIELD: sealer.seal(protocol.encode(request), RID)})

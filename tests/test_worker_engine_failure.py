@@ -13,6 +13,9 @@ from slogate import keys, protocol
 from slogate.protocol import Error, Final, GenerateRequest, SamplingParams
 
 
+REPLIES = keys.replies("test-gateway")
+
+
 class FlakyEngine:
     """The sim engine, except that its first step blows up (a stand-in for an OOM)."""
 
@@ -34,8 +37,9 @@ class FlakyEngine:
 async def results(client: aioredis.Redis, request_id: str, timeout: float = 5.0) -> list:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        entries = await client.xrange(keys.result(request_id))
-        records = [protocol.decode_result(f[protocol.FIELD]) for _, f in entries]
+        entries = await client.xrange(REPLIES)
+        records = [protocol.decode_result(f[protocol.FIELD]) for _, f in entries
+                   if f[protocol.ID_FIELD] == request_id.encode()]
         if records and not isinstance(records[-1], protocol.Delta):
             return records
         await asyncio.sleep(0.02)
@@ -49,7 +53,7 @@ async def test_engine_failure_fails_held_requests_then_recovers(redis_url: str) 
     try:
         for rid in ("first", "second"):
             req = GenerateRequest(id=rid, model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=3),
-                                  deadline=time.time() + 30, enqueued_at=time.time(), prompt="hello")
+                                  deadline=time.time() + 30, enqueued_at=time.time(), reply=REPLIES, prompt="hello")
             await client.xadd(keys.queue("p"), {protocol.ID_FIELD: rid, protocol.FIELD: protocol.encode(req)})
             records = await results(client, rid)
             if rid == "first":
