@@ -7,6 +7,8 @@ Contenders, all on the same prompts (distinct random-token prompts of 16-64 toke
 - the stream engine (pool ``interactive``) and the paged engine (pool ``batch``), each behind
   the gateway + Redis, as real processes, at 1, 4 and 16 concurrent streams (closed loop: each
   client sends its next request when the last one ends; the first round is a burst);
+- the same two engines in this process, driven by the same loop with no gateway, Redis or
+  worker: what the gateway rows add to these is the serving path's cost, not the engine's;
 - transformers ``generate`` with a ``TextIteratorStreamer`` in this process, one thread per
   concurrent stream (1 torch thread), timed the same way. That streamer holds text back to a
   word boundary, so its chunks are fewer than its tokens; the per-token row times ``put``.
@@ -15,8 +17,8 @@ Then a 2,000-token prompt arrives while 8 short streams run (each engine, throug
 gateway): the short streams' worst gap while the long prompt is prefilled, against their
 median gap, with the same 8 streams alone as the control (what the host's noise does). Run::
 
-    python -m benchmarks.stream_engine                  # tiny model, ~3 minutes on 2 cores
-    python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --levels 1 4
+    python -m benchmarks.stream_engine                  # tiny model, about a minute on 2 cores
+    python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --long-repeats 0
 
 Results are printed and written to ``benchmarks/results/stream_engine_<size>.{md,json}``.
 Everything (load generator, gateway, Redis, both workers) shares this machine, so each
@@ -78,8 +80,8 @@ class Trace:
 
 
 class CpuMeter:
-    """CPU seconds of named processes (from /proc) and of this one, between start and stop:
-    on a shared machine, which process burned the cores says more than wall time."""
+    """CPU seconds of named processes (from /proc) and of this one around a call: on a
+    shared machine, which process burned the cores says more than wall time."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids

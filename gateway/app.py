@@ -8,7 +8,7 @@ import logging
 import re
 import signal
 import time
-import uuid
+import os
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -16,7 +16,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import audit, completions
+from gateway import completions
+from gateway.audit import AuditLog
 from gateway.batcher import CommandBatcher
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
@@ -41,7 +42,7 @@ _json = msgspec.json.Encoder()
 async def edge(request: web.Request, handler) -> web.StreamResponse:
     """Request id on every response; every failure in OpenAI's error shape."""
     given = request.headers.get("x-request-id")
-    request_id = given if given and _CLIENT_ID.match(given) else uuid.uuid4().hex
+    request_id = given if given and _CLIENT_ID.match(given) else os.urandom(16).hex()
     request["request_id"] = request_id
     request["audit"] = {}
     logs.request_id.set(request_id)
@@ -63,7 +64,7 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
         resp.headers["x-request-id"] = request_id
     if request.path in _AUDITED:
         state = request.app[STATE]
-        audit.write(state.batcher, state.cfg.audit_max_entries, request_id, started, resp.status, request["audit"])
+        state.audit.write(request_id, started, resp.status, request["audit"])
     return resp
 
 
@@ -151,7 +152,8 @@ def _resources(cfg: Config):
         state = GatewayState(
             cfg, commands, batcher, ResultMux(reader, batcher, sealer),
             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics(),
-            AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands), sealer)
+            AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands), sealer,
+            AuditLog(batcher, cfg.audit_max_entries))
         if sealer.enabled:
             log.info("prompts and completions in Redis are sealed with key %r", sealer.key_ids[0])
         if not state.keys.enabled:
@@ -164,6 +166,7 @@ def _resources(cfg: Config):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await state.audit.close()
         await state.mux.close()
         await reader.aclose()
         await commands.aclose()

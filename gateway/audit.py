@@ -1,33 +1,69 @@
 """The audit trail: one record per completion request, in a Redis stream of bounded length.
 
 It says who (API key id, never the secret), when, which model and class, what admission
-decided, tokens in and out and the outcome; never prompt or completion text. Writes ride the
-gateway's command pipeline, so auditing adds no round trip to a request.
+decided, tokens in and out and the outcome; never prompt or completion text. Records are
+gathered for up to ``flush_s`` and written as one stream entry of JSON lines, so auditing costs
+a fraction of a Redis command per request and no round trip.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import redis
+from redis.exceptions import RedisError
 
 from gateway.batcher import CommandBatcher
 from slogate import keys
 
+log = logging.getLogger("slogate.gateway")
 STREAM = f"{keys.PREFIX}:audit"
 FIELDS = ("key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
 
 
-def write(batcher: CommandBatcher, max_entries: int, request_id: str, started: float, status: int,
-          entry: dict[str, Any]) -> None:
-    record = {"ts": round(started, 3), "request_id": request_id, "status": status,
-              "latency_ms": round((time.time() - started) * 1000, 1),
-              **{k: entry[k] for k in FIELDS if k in entry}}
-    record.setdefault("outcome", "rejected" if status >= 400 else "ok")
-    batcher.fire("XADD", STREAM, "MAXLEN", "~", max_entries, "*", "e", json.dumps(record))
+class AuditLog:
+    def __init__(self, batcher: CommandBatcher, max_entries: int, flush_s: float = 0.05,
+                 max_records: int = 256) -> None:
+        self.batcher = batcher
+        self.max_entries = max_entries
+        self.flush_s = flush_s
+        self.max_records = max_records
+        self._records: list[str] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def write(self, request_id: str, started: float, status: int, entry: dict[str, Any]) -> None:
+        record = {"ts": round(started, 3), "request_id": request_id, "status": status,
+                  "latency_ms": round((time.time() - started) * 1000, 1),
+                  **{k: entry[k] for k in FIELDS if k in entry}}
+        record.setdefault("outcome", "rejected" if status >= 400 else "ok")
+        self._records.append(json.dumps(record))
+        if len(self._records) >= self.max_records:
+            self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
+
+    def flush(self) -> asyncio.Future[Any] | None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._records:
+            return None
+        lines, self._records = "\n".join(self._records), []
+        return self.batcher.call("XADD", STREAM, "MAXLEN", "~", self.max_entries, "*", "e", lines)
+
+    async def close(self) -> None:
+        """Write what is gathered before the gateway lets go of Redis."""
+        pending = self.flush()
+        if pending is not None:
+            try:
+                await pending
+            except RedisError:
+                log.warning("the last audit records could not be written: Redis is unavailable")
 
 
 def export(url: str, count: int | None = None) -> Iterator[str]:
@@ -42,11 +78,12 @@ def export(url: str, count: int | None = None) -> Iterator[str]:
                 batch = batch[1:]
             if not batch:
                 return
-            for entry_id, fields in batch:
-                yield fields[b"e"].decode()
-                sent += 1
-                if count is not None and sent >= count:
-                    return
+            for _, fields in batch:
+                for line in fields[b"e"].decode().splitlines():
+                    yield line
+                    sent += 1
+                    if count is not None and sent >= count:
+                        return
             last = batch[-1][0].decode()
     finally:
         client.close()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-import uuid
+import os
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -119,7 +119,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
                reason: str, pool: str, admission: str, arrived: float, deadline: float) -> web.StreamResponse:
-    request_id = uuid.uuid4().hex
+    request_id = os.urandom(16).hex()
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=arrived, reply=state.mux.key, prompt=parsed.prompt, messages=parsed.messages,

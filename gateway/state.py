@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from gateway.audit import AuditLog
 from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
 from gateway.metrics import GatewayMetrics
@@ -32,6 +33,7 @@ class GatewayState:
     keys: KeyStore
     limiter: RateLimiter
     sealer: Sealer
+    audit: AuditLog
     draining: bool = False
     in_flight: int = 0
     started_at: float = field(default_factory=time.time)
