@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
-import os
 from dataclasses import dataclass
 
 from aiohttp import web

@@ -63,18 +63,15 @@ def cancel_keys_expire(client: redis.Redis) -> bool:
 async def test_client_disconnect_cancels_generation(slow_stack: Stack) -> None:
     client = redis.Redis.from_url(slow_stack.redis_url)
     async with aiohttp.ClientSession() as s:
-        resp = await s.post(slow_stack.url + "/v1/chat/completions", json=body(400, stream=True))
+        resp = await s.post(slow_stack.url + "/v1/chat/completions", json=body(2000, stream=True))
         first = await resp.content.readline()
         assert first.startswith(b"data: ")
         await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to run")
         resp.close()
-    started = time.monotonic()
-    # 400 tokens take 8 s; a cancel honoured within a step frees the worker far sooner.
+    # 2,000 tokens take 40 s; only a cancel honoured at the next step frees the worker sooner.
     await asyncio.to_thread(wait_for, lambda: running(client) == 0 and not any(
         client.xpending(f"slogate:q:{p}", "workers")["pending"] for p in ("interactive", "batch")),
-        4, "the worker to drop the cancelled request")
-    assert time.monotonic() - started < 4
-    await asyncio.sleep(0.3)
+        15, "the worker to drop the cancelled request")
     assert cancel_keys_expire(client)
     client.close()
 
@@ -83,8 +80,8 @@ async def test_non_streamed_disconnect_cancels_too(slow_stack: Stack) -> None:
     client = redis.Redis.from_url(slow_stack.redis_url)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
         with pytest.raises(asyncio.TimeoutError):
-            await s.post(slow_stack.url + "/v1/chat/completions", json=body(400))
-    await asyncio.to_thread(wait_for, lambda: running(client) == 0, 4, "the cancel to land")
+            await s.post(slow_stack.url + "/v1/chat/completions", json=body(2000))
+    await asyncio.to_thread(wait_for, lambda: running(client) == 0, 15, "the cancel to land")
     client.close()
 
 
