@@ -59,7 +59,6 @@ class _InFlight:
     first_token_at: float = 0.0
     held: str = ""
     """Text not yet written: a non-streamed request gets its answer in one record."""
-    expiring: bool = False
 
 
 class Worker:
@@ -74,6 +73,7 @@ class Worker:
         self._adds: list[tuple[GenerateRequest, bytes, int]] = []
         self._aborts: set[str] = set()
         self._last_expiry_check = 0.0
+        self._ttl_renewed: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -330,15 +330,16 @@ class Worker:
                        **attrs, **{"slogate.completion_tokens": out.completion_tokens})
 
     def _write(self, p: aioredis.client.Pipeline, job: _InFlight, msg: Delta | Final | Error) -> None:
-        """Append to the gateway's reply stream; a request's first write also extends the
-        stream's TTL past the request's deadline, so a stream whose gateway died goes away."""
+        """Append to the gateway's reply stream, and keep the stream's TTL ahead of the writes
+        (renewed a few times per TTL, not per record), so a stream whose gateway died and that
+        nobody writes to any more goes away ``result_ttl_s`` later."""
         key = job.req.reply
         rid = job.req.id.encode()
         p.xadd(key, {protocol.ID_FIELD: rid, protocol.FIELD: self.sealer.seal(protocol.encode(msg), rid)})
-        if not job.expiring:
-            job.expiring = True
-            ttl = max(1.0, job.req.deadline - time.time()) + self.s.result_ttl_s
-            p.pexpire(key, int(ttl * 1000))
+        now = time.monotonic()
+        if now - self._ttl_renewed.get(key, -1e9) > self.s.result_ttl_s / 4:
+            self._ttl_renewed[key] = now
+            p.pexpire(key, int(self.s.result_ttl_s * 1000))
 
     # -- cancels, heartbeats, orphans -----------------------------------------------------
 

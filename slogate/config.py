@@ -79,7 +79,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_attempts: int = 3
     """Deliveries before a request that keeps killing workers is failed instead of retried."""
     result_ttl_s: float = 60.0
-    """Lifetime of a result stream past its request's deadline, should its gateway vanish."""
+    """How long a reply stream outlives its last write (so it goes when its gateway dies), and
+    a cancel flag its request's deadline."""
     worker_poll_s: float = 0.5
     """How often the gateway refreshes its view of worker heartbeats."""
     audit_max_entries: int = 100_000
