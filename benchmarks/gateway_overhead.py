@@ -22,8 +22,8 @@ from pathlib import Path
 
 import uvloop
 
-from benchmarks.loadgen import (DEFAULT_WORKLOAD, Summary, closed_loop, load_workload,
-                                markdown_table, open_loop, summarize)
+from benchmarks import rawhttp
+from benchmarks.loadgen import DEFAULT_WORKLOAD, Summary, load_workload, markdown_table, summarize
 from slogate.local_redis import LocalRedis, free_port
 from slogate.processes import Stack
 
@@ -45,11 +45,15 @@ def start_echo() -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError("echo server did not start")
 
 
-async def measure(url: str, workload, duration: float, rate: float) -> dict[str, Summary]:
+async def measure(url: str, payloads: list[bytes], duration: float, rate: float) -> dict[str, Summary]:
+    host, port = url.removeprefix("http://").split(":")
     out = {}
-    out["1 client (closed)"] = summarize(await closed_loop(url, workload, 1, duration / 2), duration / 2)
-    out["64 clients (closed)"] = summarize(await closed_loop(url, workload, 64, duration), duration)
-    out[f"open loop {rate:.0f}/s"] = summarize(await open_loop(url, workload, rate, duration), duration)
+    out["1 client (closed)"] = summarize(
+        await rawhttp.closed_loop(host, int(port), payloads, 1, duration / 2), duration / 2)
+    out["64 clients (closed)"] = summarize(
+        await rawhttp.closed_loop(host, int(port), payloads, 64, duration), duration)
+    out[f"open loop {rate:.0f}/s"] = summarize(
+        await rawhttp.open_loop(host, int(port), payloads, rate, duration), duration)
     return out
 
 
@@ -62,6 +66,7 @@ def main() -> None:
 
     workload = load_workload(args.workload).only(
         lambda r: r["class_hint"] == "interactive" and not r["body"].get("stream"))
+    payloads = rawhttp.encode_requests("127.0.0.1", workload.rows)
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
         echo, echo_url = start_echo()
@@ -71,8 +76,8 @@ def main() -> None:
             stack.worker("interactive", "sim", *ZERO)
             stack.worker("batch", "sim", *ZERO)
             stack.wait_models("slogate-sim", pools=2)
-            direct = uvloop.run(measure(echo_url, workload, args.duration, args.rate))
-            gateway = uvloop.run(measure(stack.url, workload, args.duration, args.rate))
+            direct = uvloop.run(measure(echo_url, payloads, args.duration, args.rate))
+            gateway = uvloop.run(measure(stack.url, payloads, args.duration, args.rate))
         finally:
             stack.stop()
             echo.terminate()

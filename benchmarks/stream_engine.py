@@ -20,7 +20,7 @@ median gap, with the same 8 streams alone as the control (what the host's noise 
     python -m benchmarks.stream_engine                  # tiny model, about a minute on 2 cores
     python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --long-repeats 0
 
-Results are printed and written to ``benchmarks/results/stream_engine_<size>.{md,json}``.
+Results are printed and written to ``benchmarks/results/stream_engine_<size>[_threads<N>].{md,json}``.
 Everything (load generator, gateway, Redis, both workers) shares this machine, so each
 scenario also records the CPU seconds every process spent and the load average.
 """
@@ -186,7 +186,8 @@ async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long:
                  for p, t in zip(shorts, traces)]
         while any(len(t.chunks) < lead_chunks for t in traces):
             if all(task.done() for task in tasks):
-                raise RuntimeError(f"short streams ended before {lead_chunks} chunks each: {[t.status for t in traces]}")
+                statuses = [t.status for t in traces]
+                raise RuntimeError(f"short streams ended before {lead_chunks} chunks each: {statuses}")
             await asyncio.sleep(0.002)
         sent = time.perf_counter()
         big = await sse_stream(session, url, model, pool, long, 1) if long else None
@@ -351,7 +352,8 @@ def targets(rows: list[dict[str, Any]], prefill: list[dict[str, Any]], top: int)
 
     lines = []
     for where in ("", ", in process"):
-        one, many, paged = get(f"stream engine{where}", 1), get(f"stream engine{where}", top), get(f"paged engine{where}", top)
+        one, many = get(f"stream engine{where}", 1), get(f"stream engine{where}", top)
+        paged = get(f"paged engine{where}", top)
         label = f"stream engine{where or ' (gateway)'}"
         if one and many:
             ok = many["ttft_p99_ms"] <= 2 * one["ttft_p50_ms"]
@@ -396,12 +398,12 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[d
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
         f"random ids), max_tokens {args.max_tokens}, greedy, ignore_eos; closed loop, {args.rounds} request(s) per "
         f"client. Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
-        f"torch's default threads ({threads}); ITL = gap between text chunks. 'in process' rows: the same engines "
+        f"{threads} torch thread(s); ITL = gap between text chunks. 'in process' rows: the same engines "
         f"and loop with no gateway, Redis or worker, timed as outputs leave step(). transformers rows: in "
-        f"process, one thread per stream, 1 torch thread; 'chunks' times what TextIteratorStreamer yields (held to word "
-        f"boundaries), 'tokens' times its put(). CPU s: seconds each process spent in the scenario ('worker' is "
-        f"the serving one); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is "
-        f"nearest rank: of 64 samples the second largest, of 16 or fewer the largest.",
+        f"process, one thread per stream, 1 torch thread; 'chunks' times what TextIteratorStreamer yields (held "
+        f"to word boundaries), 'tokens' times its put(). CPU s: seconds each process spent in the scenario "
+        f"('worker' is the serving one); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. "
+        f"P99 is nearest rank: of 64 samples the second largest, of 16 or fewer the largest.",
         "",
         latency,
         "",
@@ -409,7 +411,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[d
         + "; ".join(f"{where}: " + ", ".join(f"{k} {v:.3g}" for k, v in fit.items()) for where, fit in fits.items())
         + ".",
         "",
-        *([f"## A {min(long_tokens)}-{max(long_tokens)}-token prompt arriving while 8 short streams run",
+        *([f"## A {'-'.join(str(n) for n in sorted(set(long_tokens)))}-token prompt arriving while 8 short streams run",
            "",
            f"8 streams of max_tokens {args.long_short_tokens}; once each has 8 chunks the long prompt (max_tokens 1) "
            f"is sent to the same pool. Median gap: the short streams' gaps after those 8 chunks; worst gap in "
@@ -464,12 +466,15 @@ def main() -> None:
     parser.add_argument("--long-short-tokens", type=int, default=96, help="max_tokens of the 8 short streams")
     parser.add_argument("--long-repeats", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=16, help="the stream engine's max_batch")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the workers and the in-process engines (0: torch's default, all "
+                             "cores; on a shared host 1 avoids threads waiting on each other)")
     parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    threads = torch.get_num_threads()
+    threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size))
@@ -487,11 +492,12 @@ def main() -> None:
     text = render(args, rows, prefill, fits, long_tokens, threads)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"stream_engine_{args.size}.md").write_text(text + "\n")
+    name = f"stream_engine_{args.size}" + (f"_threads{args.threads}" if args.threads else "")
+    (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "long_prompt_tokens": long_tokens, "stream_engine_warmup_fit": fits, "rows": rows,
                "long_prefill": prefill}
-    (RESULTS / f"stream_engine_{args.size}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def run_gateway(args: argparse.Namespace, model_dir: Path,
@@ -502,7 +508,10 @@ def run_gateway(args: argparse.Namespace, model_dir: Path,
     prefill: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
-        stack = Stack(redis.url, {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)})
+        env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)}
+        if args.threads:
+            env["OMP_NUM_THREADS"] = str(args.threads)
+        stack = Stack(redis.url, env)
         try:
             stack.gateway()
             workers = {"stream": stack.worker("interactive", "stream", 'dtype="fp32"', f"max_batch={args.max_batch}"),

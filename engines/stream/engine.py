@@ -52,10 +52,11 @@ class StreamEngine:
     def __init__(
         self,
         loaded: LoadedModel,
-        max_batch: int = 8,
+        max_batch: int = 16,
         step_budget_ms: float = 20.0,
         prefill_chunk_tokens: int | None = None,
         min_prefill_chunk: int = 16,
+        min_prefill_tokens: int = 512,
         max_prefill_chunk: int = 1024,
         enforce_deadline: bool = False,
         warmup: bool = True,
@@ -63,7 +64,10 @@ class StreamEngine:
         """``prefill_chunk_tokens`` fixes the prompt tokens per step instead of sizing them
         from measured cost. ``enforce_deadline`` ends requests whose deadline has passed with
         finish reason ``deadline``; it is off by default because the worker already sweeps
-        expired requests and answers them, and one place should decide how."""
+        expired requests and answers them, and one place should decide how.
+        ``min_prefill_tokens`` is the prompt work every step does even when decoding filled the
+        budget: time to first token is the interactive objective, so a burst of short prompts
+        must not be let in one per step while the estimate says the step is full."""
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.loaded = loaded
@@ -73,6 +77,7 @@ class StreamEngine:
         self.budget_s = step_budget_ms / 1000.0
         self.fixed_chunk = prefill_chunk_tokens
         self.min_chunk = min_prefill_chunk
+        self.min_prefill_tokens = min_prefill_tokens
         self.max_chunk = max_prefill_chunk
         self.enforce_deadline = enforce_deadline
         self.prefill_cost = PrefillCost(0.0, 0.0, 0.0)
@@ -206,7 +211,9 @@ class StreamEngine:
     def _fits_whole(self, rows: int, width: int, left_s: float) -> bool:
         if self.fixed_chunk is not None:
             return rows * width <= self.fixed_chunk
-        return width <= self.max_chunk and self.prefill_cost.predict(rows, width) <= left_s
+        if width > self.max_chunk:
+            return False
+        return rows * width <= self.min_prefill_tokens or self.prefill_cost.predict(rows, width) <= left_s
 
     def _prefill(self, left_s: float) -> list[StepOutput]:
         """Spend what is left of the step on prompts, earliest deadline first.

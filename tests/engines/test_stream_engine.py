@@ -332,3 +332,20 @@ def test_an_earlier_deadline_overtakes_a_prompt_being_prefilled(loaded: LoadedMo
     assert engine.kv_tokens("long") == 8
     engine.step()
     assert engine.kv_tokens("long") == 16
+
+
+def test_a_burst_of_short_prompts_is_not_let_in_one_per_step(loaded: LoadedModel) -> None:
+    """Even when decoding alone fills the step budget, each step prefills at least
+    ``min_prefill_tokens`` of waiting prompts, so a burst gets its first tokens together."""
+    engine = StreamEngine(loaded, max_batch=16, step_budget_ms=0.001, min_prefill_tokens=512)
+    engine.add_request(request("running", "one stream already decoding", max_tokens=64, ignore_eos=True))
+    engine.step()
+    for i in range(15):
+        engine.add_request(request(f"n{i}", "the risk score of card payment " * 4, max_tokens=64, ignore_eos=True))
+    first: dict[str, int] = {}
+    for k in range(1, 20):
+        for out in engine.step():
+            first.setdefault(out.request_id, k)
+    newcomers = [k for rid, k in first.items() if rid != "running"]
+    assert len(newcomers) == 15
+    assert max(newcomers) <= 3, f"first tokens at steps {sorted(newcomers)}"
