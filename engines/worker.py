@@ -74,6 +74,7 @@ class Worker:
         self._aborts: set[str] = set()
         self._last_expiry_check = 0.0
         self._ttl_renewed: dict[str, float] = {}
+        self._checks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -174,14 +175,27 @@ class Worker:
             await self._ack(drop)
         if not fresh:
             return
-        cancelled = await self.redis.mget([keys.cancel(r.id) for r, _, _ in fresh])
-        for (req, entry_id, attempt), flag in zip(fresh, cancelled):
-            if flag is not None:
-                await self._ack([entry_id])
-                continue
+        for req, entry_id, attempt in fresh:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
             self._adds.append((req, entry_id, attempt))
         self._wake.set()
+        check = asyncio.create_task(self._abort_cancelled([req.id for req, _, _ in fresh]))
+        self._checks.add(check)
+        check.add_done_callback(self._checks.discard)
+
+    async def _abort_cancelled(self, request_ids: list[str]) -> None:
+        """Requests cancelled before this worker took them (their cancel message went to
+        nobody) are dropped at the next step. Checked beside their start, not before it, so
+        the check's round trip never delays a first token."""
+        try:
+            flags = await self.redis.mget([keys.cancel(rid) for rid in request_ids])
+        except (RedisError, OSError) as exc:
+            log.warning("checking %d request(s) for cancels failed: %s", len(request_ids), exc)
+            return
+        for rid, flag in zip(request_ids, flags):
+            if flag is not None and rid in self.inflight:
+                self._aborts.add(rid)
+                self._wake.set()
 
     async def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
         self.metrics.finished(err.code)
@@ -200,39 +214,50 @@ class Worker:
     # -- engine ---------------------------------------------------------------------------
 
     async def _engine_loop(self) -> None:
+        """Step, then hand the step's records to Redis while the next step computes. Each
+        step's records go out in one pipeline and the next pipeline waits for it, so every
+        request's records stay in order and the engine never waits on a round trip."""
         loop = asyncio.get_running_loop()
         inline = getattr(self.engine, "inline_step", False)
-        while True:
-            aborted = self._apply_pending()
-            if aborted:
-                await self._drop(aborted)
-            expired = self._expire()
-            if expired:
-                await self._drop(expired, Error("the request did not finish before its deadline",
-                                                "deadline_exceeded", 504))
-            if not self.engine.has_unfinished():
-                if self._stopping.is_set():
-                    return
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            started = time.perf_counter()
-            try:
-                if inline:
-                    outputs = self.engine.step()
-                else:
-                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
-            except Exception:  # an engine bug or out of memory: fail what it held, keep serving
-                log.exception("engine step failed; failing the %d request(s) it held", len(self.inflight))
-                jobs = list(self.inflight.values())
-                self.inflight.clear()
-                for job in jobs:
-                    self.engine.abort_request(job.req.id)
-                await self._drop(jobs, Error("the engine failed while serving this request", "engine_error", 500))
-                continue
-            self.metrics.step.observe(time.perf_counter() - started)
-            if outputs:
-                await self._publish(outputs)
+        sending: asyncio.Task[None] | None = None
+        try:
+            while True:
+                aborted = self._apply_pending()
+                if aborted:
+                    await self._drop(aborted)
+                expired = self._expire()
+                if expired:
+                    await self._drop(expired, Error("the request did not finish before its deadline",
+                                                    "deadline_exceeded", 504))
+                if not self.engine.has_unfinished():
+                    if self._stopping.is_set():
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                started = time.perf_counter()
+                try:
+                    if inline:
+                        outputs = self.engine.step()
+                    else:
+                        outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                except Exception:  # an engine bug or out of memory: fail what it held, keep serving
+                    log.exception("engine step failed; failing the %d request(s) it held", len(self.inflight))
+                    jobs = list(self.inflight.values())
+                    self.inflight.clear()
+                    for job in jobs:
+                        self.engine.abort_request(job.req.id)
+                    await self._drop(jobs, Error("the engine failed while serving this request", "engine_error", 500))
+                    continue
+                self.metrics.step.observe(time.perf_counter() - started)
+                if outputs:
+                    pipe = self._records(outputs)
+                    if sending is not None:
+                        await sending
+                    sending = asyncio.create_task(self._send(pipe, len(outputs)))
+        finally:
+            if sending is not None:
+                await sending
 
     def _apply_pending(self) -> list[_InFlight]:
         aborted = []
@@ -278,44 +303,52 @@ class Worker:
         except (RedisError, OSError) as exc:
             log.warning("settling %d stopped request(s) failed: %s", len(jobs), exc)
 
-    async def _publish(self, outputs: list[StepOutput]) -> None:
+    def _records(self, outputs: list[StepOutput]) -> aioredis.client.Pipeline:
+        """A step's records and acknowledgements, as a pipeline not yet sent. The bookkeeping
+        (what is finished, what was written) happens here, at once, so the next step and the
+        deadline sweep already see it while the pipeline is on its way."""
         now = time.time()
         done: list[bytes] = []
-        async with self.redis.pipeline(transaction=False) as p:
-            for out in outputs:
-                job = self.inflight.get(out.request_id)
-                if job is None:
+        p = self.redis.pipeline(transaction=False)
+        for out in outputs:
+            job = self.inflight.get(out.request_id)
+            if job is None:
+                continue
+            if out.error is not None:
+                code = "invalid_request_error" if out.error_status < 500 else "engine_error"
+                self._write(p, job, Error(out.error, code, out.error_status, job.attempt))
+                self.metrics.finished(code)
+            else:
+                if out.text:
+                    job.first_token_at = job.first_token_at or now
+                    job.held += out.text
+                if job.held and (job.req.stream or out.finish_reason is not None):
+                    self._write(p, job, Delta(job.held, job.offset, job.attempt))
+                    job.offset += len(job.held)
+                    job.held = ""
+                if out.finish_reason is None:
                     continue
-                if out.error is not None:
-                    code = "invalid_request_error" if out.error_status < 500 else "engine_error"
-                    self._write(p, job, Error(out.error, code, out.error_status, job.attempt))
-                    self.metrics.finished(code)
-                else:
-                    if out.text:
-                        job.first_token_at = job.first_token_at or now
-                        job.held += out.text
-                    if job.held and (job.req.stream or out.finish_reason is not None):
-                        self._write(p, job, Delta(job.held, job.offset, job.attempt))
-                        job.offset += len(job.held)
-                        job.held = ""
-                    if out.finish_reason is None:
-                        continue
-                    self.metrics.finished(out.finish_reason)
-                    self.metrics.tokens.inc(out.completion_tokens)
-                    self._trace(job, now, out)
-                    self._write(p, job, Final(
-                        out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
-                        queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
-                        ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
-                done.append(job.entry_id)
-                del self.inflight[out.request_id]
-            if done:
-                p.xack(self.queue, keys.GROUP, *done)
-                p.xdel(self.queue, *done)
-            try:
-                await p.execute()
-            except (RedisError, OSError) as exc:
-                log.error("publishing %d outputs failed: %s", len(outputs), exc)
+                self.metrics.finished(out.finish_reason)
+                self.metrics.tokens.inc(out.completion_tokens)
+                self._trace(job, now, out)
+                self._write(p, job, Final(
+                    out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
+                    queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
+                    ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
+            done.append(job.entry_id)
+            del self.inflight[out.request_id]
+        if done:
+            p.xack(self.queue, keys.GROUP, *done)
+            p.xdel(self.queue, *done)
+        return p
+
+    async def _send(self, p: aioredis.client.Pipeline, n_outputs: int) -> None:
+        try:
+            await p.execute()
+        except (RedisError, OSError) as exc:
+            log.error("publishing %d outputs failed: %s", n_outputs, exc)
+        finally:
+            await p.reset()
 
     def _trace(self, job: _InFlight, now: float, out: StepOutput) -> None:
         """Queue wait, prefill and decode as spans of the gateway's trace."""
