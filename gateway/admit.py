@@ -48,7 +48,7 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
         decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
                               max_tokens=max_tokens, signals=state.directory.signals(), now=now,
                               model=parsed.model, deadline=deadline if cls == "batch" else None)
-        state.metrics.admission.labels(cls, decision.outcome, decision.reason).inc()
+        state.metrics.decided(cls, decision.outcome, decision.reason)
         if decision.outcome == "wait" and now + decision.retry_after_s < deadline:
             await asyncio.sleep(decision.retry_after_s)
             continue

@@ -9,12 +9,12 @@ a fraction of a Redis command per request and no round trip.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import redis
 from redis.exceptions import RedisError
 
@@ -22,6 +22,7 @@ from gateway.batcher import CommandBatcher
 from slogate import keys
 
 log = logging.getLogger("slogate.gateway")
+_json = msgspec.json.Encoder()
 STREAM = f"{keys.PREFIX}:audit"
 FIELDS = ("key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
 
@@ -41,7 +42,7 @@ class AuditLog:
                   "latency_ms": round((time.time() - started) * 1000, 1),
                   **{k: entry[k] for k in FIELDS if k in entry}}
         record.setdefault("outcome", "rejected" if status >= 400 else "ok")
-        self._records.append(json.dumps(record))
+        self._records.append(_json.encode(record).decode())
         if len(self._records) >= self.max_records:
             self.flush()
         elif self._timer is None:

@@ -38,6 +38,7 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self._series: dict[tuple[str, str, str], RequestSeries] = {}
         self._outcomes: dict[tuple[str, str, str, str], Any] = {}
+        self._decisions: dict[tuple[str, str, str], Any] = {}
         r = registry or CollectorRegistry()
         self.registry = r
         labels = ["class", "pool", "model"]
@@ -74,6 +75,13 @@ class GatewayMetrics:
                 self.e2e.labels(*key), self.ttft.labels(*key), self.tpot.labels(*key),
                 self.queue_wait.labels(*key), self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key))
         return found
+
+    def decided(self, cls: str, decision: str, reason: str) -> None:
+        key = (cls, decision, reason)
+        counter = self._decisions.get(key)
+        if counter is None:
+            counter = self._decisions[key] = self.admission.labels(*key)
+        counter.inc()
 
     def finished(self, cls: str, pool: str, model: str, outcome: str) -> None:
         key = (cls, pool, model, outcome)

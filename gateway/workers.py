@@ -50,6 +50,15 @@ class FleetView:
         return out
 
     @cached_property
+    def backlog(self) -> dict[str, tuple[int, list[Heartbeat]]]:
+        """Per pool: entries in its stream that no worker holds yet, and its workers."""
+        out = {}
+        for pool, depth in self.queue_depth.items():
+            workers = self.by_pool.get(pool, [])
+            out[pool] = (max(depth - sum(hb.running + hb.waiting for hb in workers), 0), workers)
+        return out
+
+    @cached_property
     def _serving(self) -> dict[str, list[str]]:
         pools: dict[str, set[str]] = {}
         for hb in self.heartbeats:
@@ -104,13 +113,8 @@ class WorkerDirectory:
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's backlog that no worker has taken yet, plus what this gateway queued since
         the last read: a burst is judged on the queue it builds, not on a stale, empty one."""
-        out = {}
-        pools = self.view.by_pool
-        for pool, depth in self.view.queue_depth.items():
-            workers = pools.get(pool, [])
-            held = sum(hb.running + hb.waiting for hb in workers)
-            out[pool] = PoolSignals(pool, max(depth - held, 0) + self._enqueued.get(pool, 0), workers)
-        return out
+        return {pool: PoolSignals(pool, backlog + self._enqueued.get(pool, 0), workers)
+                for pool, (backlog, workers) in self.view.backlog.items()}
 
     async def run(self) -> None:
         while True:

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, ContextManager
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
@@ -68,14 +67,14 @@ def shutdown() -> None:
         provider.shutdown()
 
 
-@contextlib.contextmanager
-def span(name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> Iterator[Span | None]:
-    """A child of the current span; nothing at all when tracing is off."""
+_OFF = contextlib.nullcontext()
+
+
+def span(name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> ContextManager[Span | None]:
+    """A child of the current span; when tracing is off, one shared do-nothing context."""
     if _tracer is None:
-        yield None
-        return
-    with _tracer.start_as_current_span(name, kind=kind, attributes=attributes) as s:
-        yield s
+        return _OFF
+    return _tracer.start_as_current_span(name, kind=kind, attributes=attributes)
 
 
 def inject() -> dict[str, str]:
