@@ -138,7 +138,7 @@ class Pools(_Section, frozen=True):
 
 class Routing(_Section, frozen=True):
     pools: Pools = msgspec.field(default_factory=Pools)
-    interactive_spill: list[str] = msgspec.field(default_factory=lambda: ["batch"])
+    interactive_spill: list[str] = []
     """Pools interactive work may spill to when its own cannot meet the objective. Batch never
     spills into interactive pools: that capacity is what the objective protects."""
 

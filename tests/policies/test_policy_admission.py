@@ -9,7 +9,7 @@ from policies.config import load
 from policies.predict import PoolSignals
 from slogate.protocol import Heartbeat, ModelInfo
 
-CFG = load({})  # interactive pool "interactive", batch pool "batch", interactive may spill to batch
+CFG = load({"routing": {"interactive_spill": ["batch"]}})  # pools "interactive" and "batch"; spill allowed
 BUDGET = 0.150 / 1.2
 
 
@@ -238,3 +238,9 @@ def test_a_silent_shedding_pool_gets_one_probe_per_interval() -> None:
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
                 queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval)
     assert not ask(ctl, overloaded, now=now + 2.5 * interval).admitted, "a pool just heard from is not probed"
+
+
+def test_no_spill_by_default() -> None:
+    ctl = AdmissionController(load({}))
+    d = ask(ctl, signals(i_depth=200, i_running=8, b_running=0), now=0.0)
+    assert (d.outcome, d.pool) == ("shed", "interactive"), "an idle batch pool does not take interactive work"
