@@ -79,8 +79,9 @@ class Classification(_Section, frozen=True):
 
 class Estimator(_Section, frozen=True):
     alpha: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
-    """EWMA weight of the newest finished request. Learned costs serve pools whose workers
-    report no step times (the workers' own figures are preferred when they do)."""
+    """EWMA weight of the newest finished request."""
+    min_samples: NonNegInt = 20
+    """Finished requests a pool needs before its learned costs replace the heartbeat's."""
     prior_prefill_s_per_token: PosFloat = 0.00005
     prior_decode_s_per_token: PosFloat = 0.005
     """Priors are optimistic on purpose: a pessimistic prior sheds everything, so nothing is

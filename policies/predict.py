@@ -154,17 +154,12 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
     return PoolLoad(capacity, free, waiting, prefill, decode, hint)
 
 
-def costs(load: PoolLoad, est: PoolEstimate) -> tuple[float, float]:
-    """``(prefill_s_per_token, decode_s_per_token)`` for a pool: the workers' own step figures
-    when they report them, else what was learned from finished requests (prior-seeded).
-
-    Step figures are what the engine spends computing. Costs learned end to end also hold
-    the time a request waited inside a busy engine, so under overload they grow, every
-    request looks too slow to fit, and the controller sheds work an idle slot could serve
-    (measured: at 4x capacity it admitted a fifth of what the pool could take)."""
-    if load.decode_s_per_token:
-        return load.prefill_s_per_token or est.prefill_s_per_token, load.decode_s_per_token
-    return est.prefill_s_per_token, est.decode_s_per_token
+def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
+    """``(prefill_s_per_token, decode_s_per_token)`` for a pool: learned once there are enough
+    samples, else the workers' heartbeat figures, else the prior-seeded estimate."""
+    if est.samples >= cfg.min_samples or not load.decode_s_per_token:
+        return est.prefill_s_per_token, est.decode_s_per_token
+    return load.prefill_s_per_token or est.prefill_s_per_token, load.decode_s_per_token
 
 
 def service_time(prefill_s_per_token: float, decode_s_per_token: float, prompt_tokens: int,
@@ -179,7 +174,7 @@ def predict(queue_depth: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator,
     if load.capacity <= 0:
         return None
     ahead = queue_depth + load.waiting
-    prefill, decode = costs(load, est)
+    prefill, decode = costs(load, est, cfg)
     wait = 0.0
     if ahead >= load.free:
         mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens

@@ -198,13 +198,12 @@ def test_batch_latencies_do_not_move_the_interactive_loop() -> None:
     assert ctl.feedback.factor == 1.0
 
 
-def test_learned_costs_move_predictions_for_workers_without_step_times() -> None:
+def test_learned_costs_move_predictions() -> None:
     ctl = AdmissionController(CFG)
-    quiet = [hb("u1", decode=0.0, prefill=0.0), hb("u2", decode=0.0, prefill=0.0)]  # e.g. an upstream engine
-    sig = {**signals(i_running=0), "interactive": PoolSignals("interactive", 0, quiet)}
+    sig = signals(i_running=0)
     before = ask(ctl, sig)
     assert before.admitted
-    for _ in range(20):  # the pool got five times slower per token
+    for _ in range(CFG.admission.estimator.min_samples):  # the pool got five times slower per token
         ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
                     queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.41, now=0.0)
     after = ask(ctl, sig)

@@ -52,22 +52,22 @@ def test_no_capacity_means_no_prediction() -> None:
     assert pred(0, [hb(capacity=0)]) is None
 
 
-def test_heartbeat_costs_win_over_learned_ones() -> None:
-    """Learned end-to-end costs include time spent waiting in a busy engine; the workers'
-    own step figures do not, so they decide when present."""
+def test_heartbeat_costs_until_enough_learned_samples() -> None:
     est = PoolEstimate.prior(EST_CFG)
     workers = [hb(decode=0.02, prefill=0.001, capacity=8), hb("v", decode=0.04, prefill=0.003, capacity=24)]
     load = aggregate(workers, None, 0, est)
-    assert costs(load, est) == pytest.approx((0.0025, 0.035))  # capacity-weighted
-    for _ in range(50):
-        est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.6, e2e_s=1.6, alpha=EST_CFG.alpha)
-    assert costs(load, est) == pytest.approx((0.0025, 0.035))
+    assert costs(load, est, EST_CFG) == pytest.approx((0.0025, 0.035))  # capacity-weighted
+    for _ in range(EST_CFG.min_samples):
+        est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.16, alpha=EST_CFG.alpha)
+    learned = costs(load, est, EST_CFG)
+    assert learned == (est.prefill_s_per_token, est.decode_s_per_token)
+    assert learned != pytest.approx((0.0025, 0.035))
 
 
 def test_no_heartbeat_costs_fall_back_to_the_estimate() -> None:
     est = PoolEstimate.prior(EST_CFG)
     load = aggregate([hb(decode=0.0, prefill=0.0)], None, 0, est)
-    assert costs(load, est) == (est.prefill_s_per_token, est.decode_s_per_token)
+    assert costs(load, est, EST_CFG) == (est.prefill_s_per_token, est.decode_s_per_token)
 
 
 def test_ewma_converges_to_measured_costs() -> None:
