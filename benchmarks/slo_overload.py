@@ -27,7 +27,7 @@ import uvloop
 from benchmarks.loadgen import (DEFAULT_WORKLOAD, Sample, Workload, closed_loop, load_workload,
                                 markdown_table, open_loop, percentile)
 from slogate.local_redis import LocalRedis
-from slogate.processes import Stack, http_get
+from slogate.processes import Stack
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OBJECTIVE_S = 0.150
@@ -65,18 +65,6 @@ def start(server: LocalRedis, admission: bool, engine: str, model: str | None) -
             stack.worker(pool, "stream" if pool == "interactive" else "paged")
     stack.wait_models(model_name(engine, model), pools=2, timeout=300)
     return stack
-
-
-def admission_decisions(url: str) -> dict[str, int]:
-    """The gateway's own count of decisions by class, outcome and reason (from /metrics)."""
-    out = {}
-    for line in http_get(url + "/metrics")[1].decode().splitlines():
-        if line.startswith("slogate_admission_decisions_total{"):
-            labels, value = line[len("slogate_admission_decisions_total{"):].rsplit("} ", 1)
-            parts = dict(kv.split("=", 1) for kv in labels.split(","))
-            key = "/".join(parts[k].strip('"') for k in ("class", "decision", "reason"))
-            out[key] = int(float(value))
-    return out
 
 
 def model_name(engine: str, model: str | None) -> str:
@@ -174,7 +162,6 @@ def main() -> None:
                     stack = start(server, admission, args.engine, args.model)
                     try:
                         samples = uvloop.run(run_point(stack.url, workload, load * capacity, args.duration))
-                        decisions = admission_decisions(stack.url)
                     finally:
                         stack.stop()
                     rows = summarize(samples, load, admission, args.duration)
@@ -182,7 +169,7 @@ def main() -> None:
                     i = rows[0]
                     print(f"load {load:>4}C admission {'on ' if admission else 'off'}: interactive "
                           f"admitted {i.admitted_rps:.0f}/s shed {i.shed_rps:.0f}/s P99 {i.p99_ms:.0f} ms "
-                          f"goodput {i.goodput_rps:.0f}/s; decisions {decisions}", flush=True)
+                          f"goodput {i.goodput_rps:.0f}/s", flush=True)
         finally:
             server.stop()
 

@@ -84,7 +84,7 @@ class AdmissionController:
 
     def budget(self, stream: bool) -> float:
         """The predicted latency an interactive request may have and still be admitted."""
-        return self.objective(stream) / self.cfg.admission.margin
+        return self.objective(stream) / (self.cfg.admission.margin * self.feedback.factor)
 
     def decide(self, *, cls: str, stream: bool, prompt_tokens: int, max_tokens: int | None,
                signals: Mapping[str, PoolSignals], now: float, model: str | None = None,
@@ -103,17 +103,13 @@ class AdmissionController:
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline)
 
     def _interactive(self, route: Route, budget: float, now: float) -> Decision:
-        """The feedback factor shrinks only the queue wait a request may face, never the
-        budget for its own service: a tightened controller still admits whatever an idle slot
-        would serve in time, so throughput stays at capacity instead of collapsing to probes."""
         pred = route.prediction
-        slack = budget - pred.service_s
-        wait_budget = slack / self.feedback.factor
-        if slack < 0 or pred.queue_wait_s > wait_budget:
+        wait_budget = budget - pred.service_s
+        if wait_budget < 0 or pred.queue_wait_s > wait_budget:
             if self._probe_due(route.pool, now):
                 self.breaker(route.pool).acquire(now)
                 return Decision("admit", "probe", 200, 0.0, pred.total_s, route.pool, route.worker)
-            if slack < 0:
+            if wait_budget < 0:
                 return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
             retry = self._clamp_retry(pred.queue_wait_s - wait_budget)
             return Decision("shed", "overloaded", 429, retry, pred.total_s, route.pool, route.worker)
