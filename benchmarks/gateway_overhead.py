@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,15 +61,44 @@ async def measure(url: str, payloads: list[bytes], duration: float, rates: list[
     return out
 
 
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = [==[%s]==]
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def wrk(url: str, body: dict, duration: float, connections: int = 64) -> Summary | None:
+    """The same load from wrk, a load generator in C, when it is installed (apt install wrk):
+    it costs the shared cores far less than a Python client, so the gateway's own ceiling shows."""
+    if shutil.which("wrk") is None:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(WRK_SCRIPT % json.dumps(body))
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration:.0f}s", "--latency", "-s", f.name,
+                          url + "/v1/chat/completions"], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    ms = {m.group(1): float(m.group(2)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(3)]
+          for m in re.finditer(r"^\s+(50|99)%\s+([\d.]+)(us|ms|s)$", out, re.M)}
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    failed = int(bad.group(1)) if bad else 0
+    return Summary(total, total - failed, (total - failed) / duration, ms.get("50", 0.0), ms.get("99", 0.0),
+                   {429: failed} if failed else {})
+
+
 def gateway_run(redis_url: str, admission: bool, payloads: list[bytes], duration: float,
-                rates: list[float]) -> dict[str, Summary]:
+                rates: list[float], body: dict) -> dict[str, Summary]:
     stack = Stack(redis_url, {"SLOGATE_LOG_LEVEL": "WARNING", "SLOGATE_ADMISSION_CONTROL": "1" if admission else "0"})
     try:
         stack.gateway()
         stack.worker("interactive", "sim", *ZERO)
         stack.worker("batch", "sim", *ZERO)
         stack.wait_models("slogate-sim", pools=2)
-        return uvloop.run(measure(stack.url, payloads, duration, rates))
+        out = uvloop.run(measure(stack.url, payloads, duration, rates))
+        by_wrk = wrk(stack.url, body, duration)
+        if by_wrk is not None:
+            out["64 clients (closed, wrk)"] = by_wrk
+        return out
     finally:
         stack.stop()
 
@@ -86,10 +118,15 @@ def main() -> None:
         redis = LocalRedis(Path(tmp)).start()
         echo, echo_url = start_echo()
         try:
-            runs = {"direct to a trivial server": uvloop.run(measure(echo_url, payloads, args.duration, rates))}
+            body = workload.rows[0]["body"]
+            direct = uvloop.run(measure(echo_url, payloads, args.duration, rates))
+            by_wrk = wrk(echo_url, body, args.duration)
+            if by_wrk is not None:
+                direct["64 clients (closed, wrk)"] = by_wrk
+            runs = {"direct to a trivial server": direct}
             echo.terminate()
-            runs["gateway, admission on"] = gateway_run(redis.url, True, payloads, args.duration, rates)
-            runs["gateway, admission off"] = gateway_run(redis.url, False, payloads, args.duration, rates)
+            runs["gateway, admission on"] = gateway_run(redis.url, True, payloads, args.duration, rates, body)
+            runs["gateway, admission off"] = gateway_run(redis.url, False, payloads, args.duration, rates, body)
         finally:
             echo.terminate()
             redis.stop()
