@@ -12,7 +12,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,30 +103,36 @@ async def closed_loop(url: str, workload: Workload, concurrency: int, duration: 
     return samples
 
 
+async def poisson_arrivals(rate: float, duration: float, seed: int,
+                           fire: Callable[[], Awaitable[None]]) -> None:
+    """Start ``fire()`` at Poisson arrival times for ``duration`` s, whatever the server does,
+    then wait for every started request to end."""
+    rng = random.Random(seed)
+    tasks: set[asyncio.Task[None]] = set()
+    start = time.perf_counter()
+    next_at = start
+    while next_at < start + duration:
+        next_at += rng.expovariate(rate)
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(fire())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+
+
 async def open_loop(url: str, workload: Workload, rate: float, duration: float, seed: int = 0,
                     max_open: int = 4096, headers: dict[str, str] | None = None) -> list[Sample]:
-    """Poisson arrivals at ``rate``/s for ``duration`` s, whatever the server does."""
-    rng = random.Random(seed)
     rows = iter(workload)
     samples: list[Sample] = []
-    tasks: set[asyncio.Task[None]] = set()
     connector = aiohttp.TCPConnector(limit=max_open)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as s:
-        async def fire(row: dict[str, Any]) -> None:
-            samples.append(await one_request(s, url, row, headers))
+        async def fire() -> None:
+            samples.append(await one_request(s, url, next(rows), headers))
 
-        start = time.perf_counter()
-        next_at = start
-        while next_at < start + duration:
-            next_at += rng.expovariate(rate)
-            delay = next_at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(fire(next(rows)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
+        await poisson_arrivals(rate, duration, seed, fire)
     return samples
 
 

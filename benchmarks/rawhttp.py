@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from benchmarks.loadgen import Sample
+from benchmarks.loadgen import Sample, poisson_arrivals
 
 
 def encode_requests(host: str, rows: list[dict[str, Any]]) -> list[bytes]:
@@ -109,23 +108,11 @@ async def closed_loop(host: str, port: int, payloads: list[bytes], clients: int,
 async def open_loop(host: str, port: int, payloads: list[bytes], rate: float, duration: float,
                     seed: int = 0) -> list[Sample]:
     """Poisson arrivals at ``rate``; each arrival takes an idle connection or opens one."""
-    pool, samples, rows, rng = Pool(host, port), [], _cycle(payloads), random.Random(seed)
-    tasks: set[asyncio.Task[None]] = set()
+    pool, samples, rows = Pool(host, port), [], _cycle(payloads)
 
-    async def fire(payload: bytes) -> None:
-        samples.append(await pool.send(payload, "interactive"))
+    async def fire() -> None:
+        samples.append(await pool.send(next(rows), "interactive"))
 
-    start = time.perf_counter()
-    next_at = start
-    while next_at < start + duration:
-        next_at += rng.expovariate(rate)
-        delay = next_at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(fire(next(rows)))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*tasks)
+    await poisson_arrivals(rate, duration, seed, fire)
     pool.close()
     return samples
