@@ -10,7 +10,6 @@ generator included, runs on this machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform

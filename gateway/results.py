@@ -46,9 +46,6 @@ class ResultMux:
         self._trimmed_at = 0.0
         self._subs: dict[bytes, Subscription] = {}
 
-    def __len__(self) -> int:
-        return len(self._subs)
-
     def subscribe(self, request_id: str) -> Subscription:
         sub = Subscription(request_id)
         self._subs[request_id.encode()] = sub

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -77,7 +76,6 @@ class WorkerDirectory:
         self.poll_s = poll_s
         self.view = FleetView()
         self.redis_ok = False
-        self.refreshed_at = 0.0
         self._enqueued: dict[str, int] = {}
 
     async def refresh(self) -> None:
@@ -105,7 +103,6 @@ class WorkerDirectory:
         self.view = FleetView(heartbeats, dict(zip(pools, depths)))
         self._enqueued = {}
         self.redis_ok = True
-        self.refreshed_at = time.monotonic()
 
     def note_enqueued(self, pool: str) -> None:
         self._enqueued[pool] = self._enqueued.get(pool, 0) + 1

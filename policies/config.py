@@ -16,7 +16,6 @@ Class = Literal["interactive", "batch"]
 CLASSES: tuple[Class, ...] = ("interactive", "batch")
 
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]
