@@ -1,17 +1,21 @@
-"""Throughput of the paged engine against transformers on one varied-length workload, and what
-a prefix-cache hit does to time to first token.
+"""Throughput of the paged engine against transformers and vLLM's CPU build, and what a
+prefix-cache hit does to time to first token.
 
-The workload is 64 requests submitted at once, prompts of 32-512 tokens and outputs of
-16-256 tokens (greedy, ignore_eos), seeded so every run and every contender sees the same
-requests. Contenders: the paged engine; transformers ``generate`` one request at a time;
-``generate`` over static batches of 32 (left padding, each batch runs to its longest output,
-only the tokens each request asked for count); and transformers' own continuous batching
-manager. Run::
+Two workloads, seeded so every run and every contender sees the same token ids: ``varied``
+(the issue's target), 64 requests submitted at once with prompts of 32-512 tokens and outputs
+of 16-256 tokens; ``reference`` (the issue's reference figures), 32 prompts of 64 tokens with
+128 output tokens each. All greedy with ``ignore_eos``. Contenders: the paged engine;
+transformers ``generate`` one request at a time; ``generate`` over static batches of 32 (left
+padding, each batch runs to its longest output, only the tokens each request asked for
+count); transformers' own continuous batching manager; and vLLM's offline ``LLM.generate``
+run by ``--vllm-python`` (an interpreter with vLLM installed) on ``vllm_offline.py``. Run::
 
-    python -m benchmarks.batch_engine                # tiny model
-    python -m benchmarks.batch_engine --size 100m --sequential 8
+    python -m benchmarks.batch_engine                # tiny model, fp32
+    python -m benchmarks.batch_engine --size 100m --dtype bf16 --threads 2 --sequential 4 \
+        --skip-transformers-cb --vllm-python /work/vllm-venv/bin/python [--workload reference]
 
-Results are printed and written to ``benchmarks/results/batch_engine_<size>.{md,json}``.
+Results are printed and written to
+``benchmarks/results/batch_engine_<size>_<workload>_<dtype>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +41,8 @@ from engines.runtime.tiny_model import build_tiny_model
 from slogate.protocol import SamplingParams
 
 RESULTS = Path(__file__).parent / "results"
+RESULT_MARK = "vllm_offline result: "
+"""Starts the line ``vllm_offline.py`` prints its result on (vLLM logs to stdout too)."""
 
 
 @dataclass
@@ -70,13 +77,29 @@ class _Clock:
         return Row(name, tokens, time.perf_counter() - self.wall, time.process_time() - self.cpu)
 
 
-def make_jobs(loaded: LoadedModel, n: int, seed: int) -> list[Job]:
+def make_jobs(loaded: LoadedModel, workload: str, n: int, seed: int) -> list[Job]:
+    """``varied``: prompts of 32-512 tokens, outputs of 16-256; ``reference``: prompts of
+    exactly 64 tokens, 128 output tokens."""
     rng = random.Random(seed)
     jobs = []
     for _ in range(n):
-        text = _random_text(loaded, rng, rng.randint(32, 512))
-        jobs.append(Job(text, loaded.encode(text, None), rng.randint(16, 256)))
+        if workload == "reference":
+            jobs.append(Job(*_exact_prompt(loaded, rng, 64), 128))
+        else:
+            text = _random_text(loaded, rng, rng.randint(32, 512))
+            jobs.append(Job(text, loaded.encode(text, None), rng.randint(16, 256)))
     return jobs
+
+
+def _exact_prompt(loaded: LoadedModel, rng: random.Random, num_tokens: int) -> tuple[str, list[int]]:
+    """A text that encodes to exactly ``num_tokens`` ids, and those ids: the engine takes text,
+    the other contenders take ids, and all must see the same prompt."""
+    for _ in range(100):
+        ids = loaded.encode(_random_text(loaded, rng, num_tokens + 16), None)[:num_tokens]
+        text = loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        if loaded.encode(text, None) == ids:
+            return text, ids
+    raise RuntimeError(f"no text found that encodes to exactly {num_tokens} tokens")
 
 
 def _random_text(loaded: LoadedModel, rng: random.Random, num_tokens: int) -> str:
@@ -150,6 +173,45 @@ def run_transformers_cb(model: PreTrainedModel, jobs: list[Job]) -> Row:
     return row
 
 
+def run_vllm(python: str | None, model_dir: Path, dtype: str, jobs: list[Job], threads: int) -> Row:
+    """vLLM's offline ``LLM.generate`` on the same token ids, in a subprocess under ``python``
+    (vLLM needs its own torch and transformers). Its OpenMP threads are bound to the first
+    ``threads`` cores with none reserved, so it computes on as many cores as the others."""
+    name = "vLLM CPU, offline LLM.generate"
+    if not python:
+        return Row(name, 0, 0.0, note="not run: no --vllm-python")
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": max(len(j.prompt_ids) + j.max_tokens for j in jobs),
+        "prompts": [j.prompt_ids for j in jobs],
+        "max_tokens": [j.max_tokens for j in jobs],
+    }
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec_file:
+        json.dump(spec, spec_file)
+        spec_file.flush()
+        script = Path(__file__).with_name("vllm_offline.py")
+        try:
+            done = subprocess.run(
+                [python, str(script), spec_file.name], capture_output=True, text=True, env=env, timeout=1800
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return Row(name, 0, 0.0, note=f"failed: {exc!r}"[:160])
+    found = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if done.returncode != 0 or not found:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Row(name, 0, 0.0, note=f"failed (exit {done.returncode}): {last}"[:160])
+    result = json.loads(found[-1][len(RESULT_MARK) :])
+    return Row(name, result["output_tokens"], result["seconds"], note=f"{threads} OpenMP threads, wall time only")
+
+
 def prefix_ttft(engine: PagedEngine, seed: int, repeats: int = 5) -> tuple[float, float]:
     """Median TTFT of a request whose 512-token prefix is cached, and of one whose is not."""
     rng = random.Random(seed)
@@ -182,40 +244,52 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "100m"])
     parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--sequential", type=int, default=64, help="how many jobs the one-at-a-time run serves")
+    parser.add_argument("--workload", default="varied", choices=["varied", "reference"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--requests", type=int, help="default: 64 (varied), 32 (reference)")
+    parser.add_argument("--sequential", type=int, default=64, help="how many jobs the one-at-a-time run serves (0: skip)")
     parser.add_argument("--static-batch", type=int, default=32)
     parser.add_argument("--skip-transformers-cb", action="store_true")
-    parser.add_argument("--max-batched-tokens", type=int, default=1024)
+    parser.add_argument("--vllm-python", help="a Python interpreter with vLLM installed (the vLLM row is skipped without)")
+    parser.add_argument("--max-batched-tokens", type=int, default=PagedOptions.max_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=PagedOptions.max_num_seqs)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    args.requests = args.requests or (32 if args.workload == "reference" else 64)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size)
-        loaded = load_model(str(model_dir), dtype="fp32", device="cpu")
-        jobs = make_jobs(loaded, args.requests, args.seed)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        loaded = load_model(str(model_dir), dtype=args.dtype, device="cpu")
+        jobs = make_jobs(loaded, args.workload, args.requests, args.seed)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
         hf.generation_config.eos_token_id = None
         pad_id = loaded.tokenizer.pad_token_id
 
-        options = PagedOptions(max_batched_tokens=args.max_batched_tokens, kv_cache_bytes=args.kv_cache_mib * 2**20)
+        options = PagedOptions(
+            max_batched_tokens=args.max_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=args.kv_cache_mib * 2**20,
+        )
         run_paged(PagedEngine(loaded, options), jobs[:4])
         engine = PagedEngine(loaded, options)
         rows = [run_paged(engine, jobs)]
         rows.append(run_static(hf, jobs, args.static_batch, pad_id))
-        seq_jobs = jobs[: args.sequential]
-        seq = run_sequential(hf, seq_jobs)
-        if len(seq_jobs) < len(jobs):
-            seq.note = f"first {len(seq_jobs)} requests only"
-        rows.append(seq)
+        rows.append(run_vllm(args.vllm_python, model_dir, args.dtype, jobs, torch.get_num_threads()))
+        if args.sequential:
+            seq_jobs = jobs[: args.sequential]
+            seq = run_sequential(hf, seq_jobs)
+            if len(seq_jobs) < len(jobs):
+                seq.note = f"first {len(seq_jobs)} requests only"
+            rows.append(seq)
         if not args.skip_transformers_cb:
             try:
-                cb_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+                cb_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
                 rows.append(run_transformers_cb(cb_model, jobs))
             except Exception as exc:  # noqa: BLE001 - report what broke, keep the other figures
                 rows.append(Row("transformers continuous batching", 0, 0.0, note=f"failed: {exc!r}"[:120]))
@@ -228,26 +302,31 @@ def report(
     args: argparse.Namespace, jobs: list[Job], rows: list[Row], cached: float, uncached: float, engine: PagedEngine
 ) -> None:
     static = next(r for r in rows if r.name.startswith("transformers generate, static"))
+    vllm = next(r for r in rows if r.name.startswith("vLLM"))
+    threads = torch.get_num_threads()
     lines = [
-        f"# Batch engine benchmark ({args.size} model, fp32, CPU, {torch.get_num_threads()} torch threads)",
+        f"# Batch engine benchmark ({args.size} model, {args.dtype}, {args.workload} workload, CPU, "
+        f"{threads} torch threads)",
         "",
         f"{len(jobs)} requests at once, prompts {min(len(j.prompt_ids) for j in jobs)}-"
         f"{max(len(j.prompt_ids) for j in jobs)} tokens, outputs {min(j.max_tokens for j in jobs)}-"
-        f"{max(j.max_tokens for j in jobs)} tokens (greedy, ignore_eos), seed {args.seed}.",
+        f"{max(j.max_tokens for j in jobs)} tokens (greedy, ignore_eos), seed {args.seed}; "
+        f"paged engine max_num_seqs {args.max_num_seqs}, max_batched_tokens {args.max_batched_tokens}.",
         "",
         f"Load average when done: {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
         f"(on a shared machine, compare the CPU-time columns).",
         "",
-        "| contender | output tokens | wall s | tokens/s | vs static | CPU s | tokens/CPU s | vs static (CPU) | note |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| contender | output tokens | wall s | tokens/s | vs static | vs vLLM | CPU s | tokens/CPU s "
+        "| vs static (CPU) | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
-        ratio = r.tokens_per_s / static.tokens_per_s if static.tokens_per_s else 0.0
         per_cpu = r.output_tokens / r.cpu_seconds if r.cpu_seconds else 0.0
-        cpu_ratio = per_cpu / (static.output_tokens / static.cpu_seconds) if static.cpu_seconds else 0.0
+        static_per_cpu = static.output_tokens / static.cpu_seconds if static.cpu_seconds else 0.0
         lines.append(
-            f"| {r.name} | {r.output_tokens} | {r.seconds:.2f} | {r.tokens_per_s:.1f} | {ratio:.2f}x "
-            f"| {r.cpu_seconds:.2f} | {per_cpu:.1f} | {cpu_ratio:.2f}x | {r.note} |"
+            f"| {r.name} | {r.output_tokens} | {r.seconds:.2f} | {r.tokens_per_s:.1f} "
+            f"| {_ratio(r.tokens_per_s, static.tokens_per_s)} | {_ratio(r.tokens_per_s, vllm.tokens_per_s)} "
+            f"| {r.cpu_seconds:.2f} | {per_cpu:.1f} | {_ratio(per_cpu, static_per_cpu)} | {r.note} |"
         )
     lines += [
         "",
@@ -263,16 +342,23 @@ def report(
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"batch_engine_{args.size}.md").write_text(text + "\n")
+    stem = f"batch_engine_{args.size}_{args.workload}_{args.dtype}"
+    (RESULTS / f"{stem}.md").write_text(text + "\n")
     payload = {
         "size": args.size,
-        "torch_threads": torch.get_num_threads(),
+        "workload": args.workload,
+        "dtype": args.dtype,
+        "torch_threads": threads,
         "loadavg": os.getloadavg(),
         "requests": len(jobs),
         "rows": [{**vars(r), "tokens_per_s": r.tokens_per_s} for r in rows],
         "prefix_ttft_s": {"cached": cached, "uncached": uncached, "speedup": uncached / cached},
     }
-    (RESULTS / f"batch_engine_{args.size}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if value and base else "-"
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--model", help="model directory for --engine real")
     parser.add_argument("--capacity", type=float, help="skip calibration and use this C (req/s)")
     parser.add_argument("--name", default="slo_overload", help="results file stem")
+    parser.add_argument("--admission", choices=["both", "on", "off"], default="both")
     args = parser.parse_args()
 
     loads = [float(x) for x in args.loads.split(",")]
@@ -157,7 +158,8 @@ def main() -> None:
         try:
             capacity = args.capacity or calibrate(server, workload, args.engine, args.model, args.duration / 2)
             print(f"calibrated capacity C = {capacity:.1f} req/s")
-            for admission in (True, False):
+            modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.admission]
+            for admission in modes:
                 for load in loads:
                     stack = start(server, admission, args.engine, args.model)
                     try:

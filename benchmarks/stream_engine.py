@@ -1,21 +1,35 @@
 """Latency of the streaming engine as a client sees it: time to first token (TTFT) and the gaps
-between streamed chunks, measured at the client through the gateway (SSE, ``stream: true``).
+between streamed chunks, measured at the client through the gateway (SSE, ``stream: true``),
+and the gaps between tokens where each token can be seen (in process).
 
-Contenders, all on the same prompts (distinct random-token prompts of 16-64 tokens, greedy,
-``ignore_eos``, a fixed ``max_tokens``):
+Contenders, all on the same requests (distinct random-token prompts of 16-64 tokens, greedy,
+``ignore_eos``):
 
 - the stream engine (pool ``interactive``) and the paged engine (pool ``batch``), each behind
   the gateway + Redis, as real processes, at 1, 4 and 16 concurrent streams (closed loop: each
-  client sends its next request when the last one ends; the first round is a burst);
+  client sends its next request when the last one ends);
 - the same two engines in this process, driven by the same loop with no gateway, Redis or
-  worker: what the gateway rows add to these is the serving path's cost, not the engine's;
+  worker, timed as each token leaves ``step()``: what the gateway rows add to these is the
+  serving path's cost, not the engine's;
 - transformers ``generate`` with a ``TextIteratorStreamer`` in this process, one thread per
   concurrent stream (1 torch thread), timed the same way. That streamer holds text back to a
   word boundary, so its chunks are fewer than its tokens; the per-token row times ``put``.
 
-Then a 2,000-token prompt arrives while 8 short streams run (each engine, through the
-gateway): the short streams' worst gap while the long prompt is prefilled, against their
-median gap, with the same 8 streams alone as the control (what the host's noise does). Run::
+Arrivals are staggered by default, as independent users' are: each request's ``max_tokens`` is
+drawn (seeded) between half and 1.5x ``--max-tokens``, and each client starts at a seeded
+random offset within ``--stagger-ms``, so streams do not finish, and their successors do not
+arrive, in the same step. ``--arrivals burst`` gives every request the same ``max_tokens`` and
+starts all clients at once: every round then arrives as one burst of prefills, the worst case
+for TTFT rather than a typical one.
+
+A client sees text chunks, not tokens: a token that is part of a UTF-8 character carries no
+text, so one chunk gap can span several engine steps. Chunk gaps are what the gateway rows
+report; token gaps (in process) are what the engine's scheduling controls.
+
+Then a 2,000-token prompt arrives while 8 short streams run, through the gateway (chunk gaps)
+and in process (token gaps): the short streams' worst gap while the long prompt is prefilled,
+against their median gap, with the same 8 streams alone as the control (what the host's noise
+does). Run::
 
     python -m benchmarks.stream_engine                  # tiny model, about a minute on 2 cores
     python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --long-repeats 0
@@ -63,20 +77,33 @@ POOLS = {"stream": "interactive", "paged": "batch"}
 
 @dataclass
 class Trace:
-    """One stream: when it was sent and when each non-empty text chunk arrived."""
+    """One stream: when it was sent, when each non-empty text chunk arrived and, where the
+    tokens themselves are seen (in process), when each token left the engine."""
 
     sent: float
     chunks: list[float] = field(default_factory=list)
     tokens: int = 0
     status: int = 200
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
         return self.chunks[0] - self.sent if self.chunks else None
 
-    def gaps(self, after: float = 0.0, before: float = float("inf")) -> list[float]:
-        """Gaps between consecutive chunks whose later chunk lands in [after, before)."""
-        return [b - a for a, b in zip(self.chunks, self.chunks[1:]) if after <= b < before]
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def gap_stats(series: list[list[float]], start: float, end: float) -> dict[str, float]:
+    """Gaps of several streams' timestamps around a window [start, end): the median of every
+    gap ending after ``start``, the worst one ending inside the window or spanning its end
+    (where a prefill stall shows), and the worst anywhere after ``start``."""
+    after = [b - a for times in series for a, b in zip(times, times[1:]) if b > start]
+    in_window = [b - a for times in series for a, b in zip(times, times[1:]) if start <= b < end or a < end <= b]
+    return {"median_gap_s": statistics.median(after) if after else float("nan"),
+            "worst_gap_s": max(in_window, default=float("nan")),
+            "worst_gap_anywhere_s": max(after, default=float("nan"))}
 
 
 class CpuMeter:
@@ -105,15 +132,15 @@ class CpuMeter:
 
 def worker_fit(redis_url: str, pool: str) -> dict[str, float]:
     """The stream worker's warmup as its first heartbeat reports it: ``decode_step_s`` starts
-    as the one-token pass (the engine's fixed prefill cost) and ``prefill_s_per_token`` as the
-    per-token cost measured at position 0."""
+    as a timed step of a full batch of decodes and ``prefill_s_per_token`` as a timed prompt
+    pass at position 0, per token."""
     client = redis.Redis.from_url(redis_url)
     try:
         key = next(client.scan_iter(match=keys.heartbeat(pool, "*")))
         beat = protocol.decode_heartbeat(client.get(key))
     finally:
         client.close()
-    return {"fixed_ms": beat.decode_step_s * 1000, "per_token_us": beat.prefill_s_per_token * 1e6}
+    return {"decode_step_ms": beat.decode_step_s * 1000, "prefill_per_token_us": beat.prefill_s_per_token * 1e6}
 
 
 # -- prompts ------------------------------------------------------------------------------
@@ -159,26 +186,26 @@ async def sse_stream(session: aiohttp.ClientSession, url: str, model: str, pool:
     return trace
 
 
-async def closed_loop(url: str, model: str, pool: str, prompts: list[str], concurrency: int,
-                      max_tokens: int) -> list[Trace]:
-    """``concurrency`` clients share ``prompts``, each sending its next one when the last ends."""
-    queue = iter(prompts)
+async def closed_loop(url: str, model: str, pool: str, level: Level) -> list[Trace]:
+    """One client per offset: each starts at its offset and sends its next request when the
+    last one ends."""
     traces: list[Trace] = []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        async def client() -> None:
-            for prompt in queue:
+        async def client(offset: float, requests: list[tuple[str, int]]) -> None:
+            await asyncio.sleep(offset)
+            for prompt, max_tokens in requests:
                 traces.append(await sse_stream(session, url, model, pool, prompt, max_tokens))
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(client(o, r) for o, r in zip(level.offsets, level.per_client())))
     return traces
 
 
 async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long: str | None,
                        short_tokens: int, lead_chunks: int = 8) -> dict[str, Any]:
     """Short streams run; once each has ``lead_chunks`` chunks the long prompt (if any) is
-    sent. The median is over the short streams' gaps after their lead; the window is the long
-    prompt's prefill (sent until its first chunk), or everything after the lead without one."""
+    sent. Gaps are between text chunks; the window is the long prompt's prefill (sent until its
+    first chunk), or everything after the lead without one."""
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         traces = [Trace(time.perf_counter()) for _ in shorts]
@@ -193,14 +220,8 @@ async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long:
         big = await sse_stream(session, url, model, pool, long, 1) if long else None
         await asyncio.gather(*tasks)
     window_end = big.chunks[0] if big and big.chunks else float("inf")
-    after_lead = [g for t in traces for g in t.gaps(after=t.chunks[lead_chunks - 1] + 1e-9)]
-    # gaps that end inside the window, and the one spanning its end: where a prefill stall shows
-    in_window = [g for t in traces for g in t.gaps(after=sent, before=window_end)]
-    spanning = [b - a for t in traces for a, b in zip(t.chunks, t.chunks[1:]) if a < window_end <= b]
     return {
-        "median_gap_s": statistics.median(after_lead),
-        "worst_gap_s": max(in_window + spanning, default=float("nan")),
-        "worst_gap_anywhere_s": max(after_lead),
+        **gap_stats([t.chunks for t in traces], sent, window_end),
         "long_ttft_s": big.ttft if big else None,
         "statuses": sorted({t.status for t in traces} | ({big.status} if big else set())),
     }
@@ -209,49 +230,101 @@ async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long:
 # -- engines in process ---------------------------------------------------------------
 
 
-def engine_closed_loop(engine: Engine, prompts: list[str], concurrency: int, max_tokens: int) -> list[Trace]:
+def add_stream(engine: Engine, live: dict[str, Trace], rid: str, prompt: str, max_tokens: int,
+               sent: float) -> Trace:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    live[rid] = trace = Trace(sent)
+    engine.add_request(EngineRequest(rid, sampling, time.time() + 3600, prompt=prompt))
+    return trace
+
+
+def engine_step(engine: Engine, live: dict[str, Trace]) -> list[str]:
+    """One step, timestamping every token and every output with text as it leaves ``step``;
+    returns the requests that finished."""
+    outputs = engine.step()
+    now = time.perf_counter()
+    finished = []
+    for out in outputs:
+        trace = live[out.request_id]
+        trace.token_times += [now] * len(out.token_ids)
+        if out.text:
+            trace.chunks.append(now)
+        trace.tokens = out.completion_tokens
+        if out.error:
+            trace.status = out.error_status
+        if out.finish_reason is not None:
+            del live[out.request_id]
+            finished.append(out.request_id)
+    return finished
+
+
+def engine_closed_loop(engine: Engine, level: Level) -> list[Trace]:
     """The same closed loop with no gateway, Redis or worker: requests go straight into the
-    engine and each output with text is timestamped as it leaves ``step``. What the gateway
-    rows add on top of these is the serving path's cost."""
-    queue = iter(enumerate(prompts))
+    engine. A client's first request counts as sent at its offset, even when it waits for
+    the step in progress, as it would at a worker."""
+    queues = [iter(requests) for requests in level.per_client()]
     live: dict[str, Trace] = {}
+    owner: dict[str, int] = {}
     traces: list[Trace] = []
+    began = time.perf_counter()
+    starts = sorted((began + offset, client) for client, offset in enumerate(level.offsets))
 
-    def send() -> None:
-        item = next(queue, None)
+    def send(client: int, sent: float) -> None:
+        item = next(queues[client], None)
         if item is not None:
-            sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            live[f"p{item[0]}"] = trace = Trace(time.perf_counter())
-            engine.add_request(EngineRequest(f"p{item[0]}", sampling, time.time() + 3600, prompt=item[1]))
-            traces.append(trace)
+            rid = f"p{len(traces)}"
+            owner[rid] = client
+            traces.append(add_stream(engine, live, rid, *item, sent))
 
-    for _ in range(concurrency):
-        send()
-    while engine.has_unfinished():
-        for out in engine.step():
-            trace = live[out.request_id]
-            if out.text:
-                trace.chunks.append(time.perf_counter())
-            trace.tokens = out.completion_tokens
-            if out.error:
-                trace.status = out.error_status
-            if out.finish_reason is not None:
-                del live[out.request_id]
-                send()
+    while starts or engine.has_unfinished():
+        now = time.perf_counter()
+        while starts and starts[0][0] <= now:
+            at, client = starts.pop(0)
+            send(client, at)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, starts[0][0] - now) if starts else 0.0)
+            continue
+        for rid in engine_step(engine, live):
+            send(owner.pop(rid), time.perf_counter())
     return traces
+
+
+def engine_long_prefill(engine: Engine, shorts: list[str], long: str | None, short_tokens: int,
+                        lead_tokens: int = 8) -> dict[str, Any]:
+    """The long-prompt scenario in process: short streams run; once each has ``lead_tokens``
+    tokens the long prompt (if any) is added. Reports both token and chunk gaps of the short
+    streams around the long prompt's prefill (added until its first token)."""
+    live: dict[str, Trace] = {}
+    traces = [add_stream(engine, live, f"short{i}", p, short_tokens, time.perf_counter())
+              for i, p in enumerate(shorts)]
+    while any(len(t.token_times) < lead_tokens for t in traces):
+        if not engine.has_unfinished():
+            raise RuntimeError(f"short streams ended before {lead_tokens} tokens each")
+        engine_step(engine, live)
+    sent = time.perf_counter()
+    big = add_stream(engine, live, "long", long, 1, sent) if long else None
+    while engine.has_unfinished():
+        engine_step(engine, live)
+    window_end = big.token_times[0] if big and big.token_times else float("inf")
+    tokens = gap_stats([t.token_times for t in traces], sent, window_end)
+    chunks = gap_stats([t.chunks for t in traces], sent, window_end)
+    return {**{f"token_{k}": v for k, v in tokens.items()}, **{f"chunk_{k}": v for k, v in chunks.items()},
+            "long_ttft_s": big.token_times[0] - big.sent if big and big.token_times else None,
+            "statuses": sorted({t.status for t in traces} | ({big.status} if big else set()))}
 
 
 def warmup_fit(engine: stream.StreamEngine) -> dict[str, float]:
     """What the stream engine's warmup measured: every chunk and whole-prompt decision is
     priced from it, so a fit taken while the host was busy shows up in TTFT."""
-    cost = engine.prefill_cost
-    return {"fixed_ms": cost.fixed_s * 1000, "per_token_us": cost.per_token_s * 1e6,
-            "per_token_per_position_ns": cost.per_token_per_position_s * 1e9}
+    cost = engine.cost
+    return {"fixed_ms": cost.fixed_s * 1000, "per_decode_us": cost.per_decode_s * 1e6,
+            "per_token_us": cost.per_token_s * 1e6, "per_token_per_position_ns": cost.per_token_per_position_s * 1e9}
 
 
 def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
-                   threads: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Both engines in this process at the workers' thread count, one load level at a time."""
+                   threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
+    """Both engines in this process at the workers' thread count, one load level at a time,
+    then the long-prompt scenario."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
         "stream": stream.create(str(model_dir), dtype="fp32", max_batch=args.max_batch),
@@ -260,14 +333,22 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     fit = warmup_fit(engines["stream"])
     meter = CpuMeter({})
     rows = []
+    prefill = []
     for name, engine in engines.items():
-        engine_closed_loop(engine, prompts.warmup, 4, 8)
+        engine_closed_loop(engine, prompts.warmup)
         for level, batch in prompts.levels.items():
-            traces, cpu = meter.measure(lambda: engine_closed_loop(engine, batch, level, args.max_tokens))
+            traces, cpu = meter.measure(lambda: engine_closed_loop(engine, batch))
             rows.append(latency_row(f"{name} engine, in process", level, traces, cpu))
             print(json.dumps(rows[-1]), flush=True)
+        for repeat, (control, beside, long) in enumerate(prompts.long, 1):
+            for shorts, big in ((control, None), (beside, long)):
+                result, cpu = meter.measure(lambda: engine_long_prefill(engine, shorts, big, args.long_short_tokens))
+                prefill.append({"contender": f"{name} engine, in process", "repeat": repeat,
+                                "long_prompt": big is not None, **result,
+                                "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
+                print(json.dumps(prefill[-1]), flush=True)
     torch.set_num_threads(1)
-    return rows, fit
+    return rows, prefill, fit
 
 
 # -- transformers in process --------------------------------------------------------------
@@ -288,22 +369,17 @@ class _TimedStreamer(TextIteratorStreamer):
         super().put(value)
 
 
-def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list[str], concurrency: int,
-                   max_tokens: int) -> tuple[list[Trace], list[Trace]]:
-    """One thread per concurrent stream, each running ``generate`` with its own streamer and a
-    consumer thread that timestamps what the streamer yields. Returns (chunk traces, token
-    traces)."""
-    queue = iter(prompts)
+def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, level: Level) -> tuple[list[Trace], list[Trace]]:
+    """One thread per concurrent stream, each starting at its offset and running ``generate``
+    with its own streamer and a consumer thread that timestamps what the streamer yields.
+    Returns (chunk traces, token traces)."""
     lock = threading.Lock()
     chunks: list[Trace] = []
     tokens: list[Trace] = []
 
-    def client() -> None:
-        while True:
-            with lock:
-                prompt = next(queue, None)
-            if prompt is None:
-                return
+    def client(offset: float, requests: list[tuple[str, int]]) -> None:
+        time.sleep(offset)
+        for prompt, max_tokens in requests:
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             streamer = _TimedStreamer(tokenizer)
             trace = Trace(time.perf_counter())
@@ -316,11 +392,12 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list
                     trace.chunks.append(time.perf_counter())
             gen.join()
             trace.tokens = len(streamer.token_times)
+            trace.token_times = streamer.token_times
             with lock:
                 chunks.append(trace)
-                tokens.append(Trace(trace.sent, streamer.token_times, trace.tokens))
+                tokens.append(Trace(trace.sent, streamer.token_times, trace.tokens, token_times=streamer.token_times))
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    threads = [threading.Thread(target=client, args=args) for args in zip(level.offsets, level.per_client())]
     for t in threads:
         t.start()
     for t in threads:
@@ -334,11 +411,14 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, prompts: list
 def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, float]) -> dict[str, Any]:
     ok = [t for t in traces if t.status == 200 and t.chunks]
     ttfts = [t.ttft for t in ok]
-    gaps = [g for t in ok for g in t.gaps()]
+    chunk_gaps = [g for t in ok for g in gaps(t.chunks)]
+    token_gaps = [g for t in ok for g in gaps(t.token_times)]
     return {
         "contender": name, "streams": streams, "requests": len(traces), "errors": len(traces) - len(ok),
         "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p99_ms": percentile(ttfts, 99) * 1000,
-        "itl_p50_ms": percentile(gaps, 50) * 1000, "itl_p99_ms": percentile(gaps, 99) * 1000,
+        "chunk_gap_p50_ms": percentile(chunk_gaps, 50) * 1000, "chunk_gap_p99_ms": percentile(chunk_gaps, 99) * 1000,
+        "token_gap_p50_ms": percentile(token_gaps, 50) * 1000 if token_gaps else None,
+        "token_gap_p99_ms": percentile(token_gaps, 99) * 1000 if token_gaps else None,
         "chunks_per_stream": statistics.mean(len(t.chunks) for t in ok) if ok else 0.0,
         "tokens_per_stream": statistics.mean(t.tokens for t in ok) if ok else 0.0,
         "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
@@ -346,9 +426,13 @@ def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, flo
     }
 
 
-def targets(rows: list[dict[str, Any]], prefill: list[dict[str, Any]], top: int) -> list[str]:
+def targets(rows: list[dict[str, Any]], gateway_prefill: list[dict[str, Any]],
+            engine_prefill: list[dict[str, Any]], top: int) -> list[str]:
     def get(name: str, streams: int) -> dict[str, Any] | None:
         return next((r for r in rows if r["contender"] == name and r["streams"] == streams), None)
+
+    def met(ok: bool) -> str:
+        return f"**{'met' if ok else 'not met'}**"
 
     lines = []
     for where in ("", ", in process"):
@@ -356,54 +440,89 @@ def targets(rows: list[dict[str, Any]], prefill: list[dict[str, Any]], top: int)
         paged = get(f"paged engine{where}", top)
         label = f"stream engine{where or ' (gateway)'}"
         if one and many:
-            ok = many["ttft_p99_ms"] <= 2 * one["ttft_p50_ms"]
             lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms <= 2x its 1-stream TTFT "
-                         f"P50 ({2 * one['ttft_p50_ms']:.1f} ms): **{'met' if ok else 'not met'}** "
+                         f"P50 ({2 * one['ttft_p50_ms']:.1f} ms): {met(many['ttft_p99_ms'] <= 2 * one['ttft_p50_ms'])} "
                          f"(2x its 1-stream P99: {2 * one['ttft_p99_ms']:.1f} ms)")
         if many and paged:
-            ok = many["ttft_p99_ms"] < paged["ttft_p99_ms"]
             lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms below the paged "
-                         f"engine's {paged['ttft_p99_ms']:.1f} ms: **{'met' if ok else 'not met'}**")
-    for p in prefill:
+                         f"engine's {paged['ttft_p99_ms']:.1f} ms: {met(many['ttft_p99_ms'] < paged['ttft_p99_ms'])}")
+    for p in engine_prefill:
         if p["long_prompt"]:
-            ok = p["worst_gap_s"] <= 3 * p["median_gap_s"]
-            lines.append(f"- {p['contender']}: worst gap during the long prefill {p['worst_gap_s'] * 1000:.1f} ms "
-                         f"vs 3x median {3 * p['median_gap_s'] * 1000:.1f} ms (repeat {p['repeat']}): "
-                         f"**{'met' if ok else 'not met'}**")
+            worst, median = p["token_worst_gap_s"], p["token_median_gap_s"]
+            lines.append(f"- {p['contender']}: worst token gap during the long prefill {worst * 1000:.1f} ms vs 3x "
+                         f"median token gap {3 * median * 1000:.1f} ms (repeat {p['repeat']}): {met(worst <= 3 * median)}")
+    for p in gateway_prefill:
+        if p["long_prompt"]:
+            worst, median = p["worst_gap_s"], p["median_gap_s"]
+            lines.append(f"- {p['contender']} (gateway, chunk gaps): worst chunk gap during the long prefill "
+                         f"{worst * 1000:.1f} ms vs 3x median chunk gap {3 * median * 1000:.1f} ms (repeat "
+                         f"{p['repeat']}): {met(worst <= 3 * median)}")
     return lines
 
 
-def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[dict[str, Any]],
-           fits: dict[str, dict[str, float]], long_tokens: list[int], threads: int) -> str:
+def _ms(seconds: float | None) -> float | str:
+    return seconds * 1000 if seconds is not None else "-"
+
+
+def _ratio(worst: float, median: float) -> str:
+    return f"{worst / median:.2f}x"
+
+
+def arrivals_text(args: argparse.Namespace) -> str:
+    if args.arrivals == "burst":
+        return (f"Arrivals: burst (every request max_tokens {args.max_tokens}, all clients start together, so "
+                f"streams finish in the same step and each round arrives as one burst of prefills: the worst "
+                f"case for TTFT).")
+    low, high = max_tokens_range(args.max_tokens)
+    return (f"Arrivals: staggered (max_tokens drawn per request, uniform {low}-{high}; each client starts at a "
+            f"random offset within {args.stagger_ms:g} ms; seeded), so streams do not move in lockstep, as "
+            f"independent users' do not. `--arrivals burst` gives the lockstep worst case.")
+
+
+def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill: list[dict[str, Any]],
+           engine_prefill: list[dict[str, Any]], fits: dict[str, dict[str, float]], long_tokens: list[int],
+           threads: int) -> str:
     latency = markdown_table(
-        ["contender", "streams", "requests", "errors", "TTFT P50 ms", "TTFT P99 ms", "ITL P50 ms", "ITL P99 ms",
-         "chunks/stream", "tokens/stream", "wall s", "CPU s gateway", "CPU s worker", "CPU s redis",
-         "CPU s client", "load 1m"],
+        ["contender", "streams", "requests", "errors", "TTFT P50 ms", "TTFT P99 ms", "chunk gap P50 ms",
+         "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms", "chunks/stream", "tokens/stream", "wall s",
+         "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client", "load 1m"],
         [[r["contender"], r["streams"], r["requests"], r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-          r["itl_p50_ms"], r["itl_p99_ms"], r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"],
-          r["cpu_s"].get("gateway", "-"), r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"),
-          r["cpu_s"]["client"], r["loadavg_1m"]] for r in rows])
-    long = markdown_table(
-        ["engine", "repeat", "long prompt", "median gap ms", "worst gap in window ms", "worst / median",
-         "worst gap anywhere ms", "long prompt TTFT ms", "statuses", "CPU s worker", "wall s"],
+          r["chunk_gap_p50_ms"], r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
+          r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"], r["cpu_s"].get("gateway", "-"),
+          r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"], r["loadavg_1m"]]
+         for r in rows])
+    gateway_long = markdown_table(
+        ["engine", "repeat", "long prompt", "median chunk gap ms", "worst chunk gap in window ms", "worst / median",
+         "worst chunk gap anywhere ms", "long prompt TTFT ms", "statuses", "CPU s worker", "wall s"],
         [[p["contender"], p["repeat"], "yes" if p["long_prompt"] else "no (control)", p["median_gap_s"] * 1000,
-          p["worst_gap_s"] * 1000, f"{p['worst_gap_s'] / p['median_gap_s']:.2f}x", p["worst_gap_anywhere_s"] * 1000,
-          p["long_ttft_s"] * 1000 if p["long_ttft_s"] else "-", p["statuses"], p["cpu_s"]["worker"],
-          p["cpu_s"]["wall"]] for p in prefill])
+          p["worst_gap_s"] * 1000, _ratio(p["worst_gap_s"], p["median_gap_s"]), p["worst_gap_anywhere_s"] * 1000,
+          _ms(p["long_ttft_s"]), p["statuses"], p["cpu_s"]["worker"], p["cpu_s"]["wall"]] for p in gateway_prefill])
+    engine_long = markdown_table(
+        ["engine", "repeat", "long prompt", "median token gap ms", "worst token gap in window ms",
+         "worst / median (tokens)", "median chunk gap ms", "worst chunk gap in window ms", "worst / median (chunks)",
+         "long prompt TTFT ms", "statuses", "wall s"],
+        [[p["contender"], p["repeat"], "yes" if p["long_prompt"] else "no (control)", p["token_median_gap_s"] * 1000,
+          p["token_worst_gap_s"] * 1000, _ratio(p["token_worst_gap_s"], p["token_median_gap_s"]),
+          p["chunk_median_gap_s"] * 1000, p["chunk_worst_gap_s"] * 1000,
+          _ratio(p["chunk_worst_gap_s"], p["chunk_median_gap_s"]), _ms(p["long_ttft_s"]), p["statuses"],
+          p["cpu_s"]["wall"]] for p in engine_prefill])
     top = max(args.levels)
+    sizes = "-".join(str(n) for n in sorted(set(long_tokens)))
     return "\n".join([
         f"# Stream engine benchmark ({args.size} model, fp32, CPU)",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
-        f"random ids), max_tokens {args.max_tokens}, greedy, ignore_eos; closed loop, {args.rounds} request(s) per "
-        f"client. Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
-        f"{threads} torch thread(s); ITL = gap between text chunks. 'in process' rows: the same engines "
-        f"and loop with no gateway, Redis or worker, timed as outputs leave step(). transformers rows: in "
-        f"process, one thread per stream, 1 torch thread; 'chunks' times what TextIteratorStreamer yields (held "
-        f"to word boundaries), 'tokens' times its put(). CPU s: seconds each process spent in the scenario "
-        f"('worker' is the serving one); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. "
-        f"P99 is nearest rank: of 64 samples the second largest, of 16 or fewer the largest.",
+        f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client. {arrivals_text(args)} "
+        f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
+        f"{threads} torch thread(s); they see text chunks only (a token that is part of a UTF-8 character "
+        f"carries no text, so one chunk gap can span several steps). 'in process' rows: the same engines "
+        f"and loop with no gateway, Redis or worker, timed as outputs leave step(): token gaps are between "
+        f"tokens. transformers rows: in process, one thread per stream, 1 torch thread; 'chunks' times what "
+        f"TextIteratorStreamer yields (held to word boundaries), 'tokens' times its put(). CPU s: seconds each "
+        f"process spent in the scenario ('worker' is the serving one); load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 64 samples the "
+        f"second largest, of 16 or fewer the largest.",
         "",
         latency,
         "",
@@ -411,19 +530,26 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[d
         + "; ".join(f"{where}: " + ", ".join(f"{k} {v:.3g}" for k, v in fit.items()) for where, fit in fits.items())
         + ".",
         "",
-        *([f"## A {'-'.join(str(n) for n in sorted(set(long_tokens)))}-token prompt arriving while 8 short streams run",
+        *([f"## A {sizes}-token prompt arriving while 8 short streams run",
            "",
-           f"8 streams of max_tokens {args.long_short_tokens}; once each has 8 chunks the long prompt (max_tokens 1) "
-           f"is sent to the same pool. Median gap: the short streams' gaps after those 8 chunks; worst gap in "
-           f"window: the largest gap that ends between sending the long prompt and its first token, or spans that "
-           f"token. Control rows: the same with no long prompt; their window is everything after the 8 chunks. "
-           f"Each repeat uses fresh prompts, so the paged engine's prefix cache never helps.",
+           f"8 streams of max_tokens {args.long_short_tokens}; once each has 8 tokens (in process) or 8 chunks "
+           f"(gateway) the long prompt (max_tokens 1) is added to the same engine. Median gap: the short streams' "
+           f"gaps after that moment; worst gap in window: the largest gap that ends between adding the long prompt "
+           f"and its first token, or spans that token. Control rows: the same with no long prompt; their window "
+           f"is everything after the lead. Each repeat uses fresh prompts, so the paged engine's prefix cache "
+           f"never helps.",
            "",
-           long,
-           ""] if prefill else []),
+           "In process, per token (what the engine's scheduling controls) and per text chunk:",
+           "",
+           engine_long,
+           "",
+           "Through the gateway, at the client (text chunks only):",
+           "",
+           gateway_long,
+           ""] if gateway_prefill or engine_prefill else []),
         "## Targets",
         "",
-        *targets(rows, prefill, top),
+        *targets(rows, gateway_prefill, engine_prefill, top),
     ])
 
 
@@ -431,25 +557,55 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], prefill: list[d
 
 
 @dataclass
+class Level:
+    """One load level: the requests ``(prompt, max_tokens)`` and each client's start, in
+    seconds after the level begins."""
+
+    requests: list[tuple[str, int]]
+    offsets: list[float]
+
+    def per_client(self) -> list[list[tuple[str, int]]]:
+        """Each client's own requests, so a client that starts late still finds its share
+        and the level keeps its concurrency."""
+        n = len(self.offsets)
+        return [self.requests[i::n] for i in range(n)]
+
+
+@dataclass
 class Prompts:
-    """Every contender gets the same prompts, and each engine sees each prompt once, so the
+    """Every contender gets the same requests, and each engine sees each prompt once, so the
     paged engine's prefix cache never turns a repeat into a free prefill."""
 
-    warmup: list[str]
-    levels: dict[int, list[str]]
+    warmup: Level
+    levels: dict[int, Level]
     long: list[tuple[list[str], list[str], str]]
     """Per repeat: the control's 8 short prompts, the 8 beside the long prompt, the long one."""
 
 
+def max_tokens_range(max_tokens: int) -> tuple[int, int]:
+    """Staggered arrivals draw each request's max_tokens from half to 1.5x the nominal one."""
+    return max(1, max_tokens // 2), max(1, max_tokens * 3 // 2)
+
+
 def make_prompts(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -> Prompts:
     rng = random.Random(args.seed)
+    # lengths and offsets draw from their own generator, so both arrival modes get the same prompts
+    arrivals = random.Random(args.seed + 1)
 
     def shorts(n: int) -> list[str]:
         return [random_prompt(tokenizer, rng, rng.randint(16, args.prompt_tokens)) for _ in range(n)]
 
+    def level(clients: int) -> Level:
+        prompts = shorts(clients * args.rounds)
+        if args.arrivals == "burst":
+            return Level([(p, args.max_tokens) for p in prompts], [0.0] * clients)
+        low, high = max_tokens_range(args.max_tokens)
+        return Level([(p, arrivals.randint(low, high)) for p in prompts],
+                     [arrivals.uniform(0.0, args.stagger_ms / 1000) for _ in range(clients)])
+
     return Prompts(
-        shorts(4),
-        {level: shorts(level * args.rounds) for level in args.levels},
+        Level([(p, 8) for p in shorts(4)], [0.0] * 4),
+        {clients: level(clients) for clients in args.levels},
         [(shorts(8), shorts(8), random_prompt(tokenizer, rng, args.long_tokens)) for _ in range(args.long_repeats)],
     )
 
@@ -460,48 +616,54 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32,
+                        help="every request's max_tokens (burst), or the middle of their range (staggered)")
+    parser.add_argument("--arrivals", choices=["staggered", "burst"], default="staggered",
+                        help="staggered: varied max_tokens and client start offsets; burst: streams in lockstep")
+    parser.add_argument("--stagger-ms", type=float, default=50.0, help="the latest client start (staggered)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="longest short prompt (BOS included)")
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--long-short-tokens", type=int, default=96, help="max_tokens of the 8 short streams")
     parser.add_argument("--long-repeats", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=16, help="the stream engine's max_batch")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads of the workers and the in-process engines (0: torch's default, all "
-                             "cores; on a shared host 1 avoids threads waiting on each other)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads of the workers and the in-process engines (default: as `slogate up` "
+                             "sets them, the cores shared among the two workers)")
     parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    threads = args.threads or torch.get_num_threads()
+    threads = args.threads or max(1, (os.cpu_count() or 1) // len(POOLS))
     torch.set_num_threads(1)
+    engine_prefill: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = make_prompts(tokenizer, args)
         long_tokens = [len(tokenizer(long).input_ids) for _, _, long in prompts.long]
-        rows, prefill, fits = run_gateway(args, model_dir, prompts)
+        rows, gateway_prefill, fits = run_gateway(args, model_dir, prompts, threads)
         fits = {"worker (first heartbeat)": fits}
         if not args.skip_in_process:
-            in_process, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
+            in_process, engine_prefill, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
             rows += in_process
         if not args.skip_transformers:
-            rows += run_transformers(args, model_dir, tokenizer, prompts)
+            rows += run_transformers(model_dir, tokenizer, prompts)
 
-    text = render(args, rows, prefill, fits, long_tokens, threads)
+    text = render(args, rows, gateway_prefill, engine_prefill, fits, long_tokens, threads)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"stream_engine_{args.size}" + (f"_threads{args.threads}" if args.threads else "")
+    name += "_burst" if args.arrivals == "burst" else ""
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "long_prompt_tokens": long_tokens, "stream_engine_warmup_fit": fits, "rows": rows,
-               "long_prefill": prefill}
+               "long_prefill_gateway": gateway_prefill, "long_prefill_in_process": engine_prefill}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def run_gateway(args: argparse.Namespace, model_dir: Path,
-                prompts: Prompts) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
+def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
+                threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
     """Both engines behind one gateway; each load level, then the long-prompt scenario."""
     model = model_dir.name
     rows: list[dict[str, Any]] = []
@@ -509,9 +671,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path,
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
         env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)}
-        if args.threads:
-            env["OMP_NUM_THREADS"] = str(args.threads)
-        stack = Stack(redis.url, env)
+        stack = Stack(redis.url, {**env, "OMP_NUM_THREADS": str(threads)})
         try:
             stack.gateway()
             workers = {"stream": stack.worker("interactive", "stream", 'dtype="fp32"', f"max_batch={args.max_batch}"),
@@ -519,12 +679,11 @@ def run_gateway(args: argparse.Namespace, model_dir: Path,
             stack.wait_models(model, pools=2, timeout=300)
             fit = worker_fit(redis.url, POOLS["stream"])
             for engine, pool in POOLS.items():
-                asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup, 4, 8))
+                asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))
                 meter = CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
                                   "redis": redis.proc.pid})
                 for level, batch in prompts.levels.items():
-                    traces, cpu = meter.measure(lambda: asyncio.run(
-                        closed_loop(stack.url, model, pool, batch, level, args.max_tokens)))
+                    traces, cpu = meter.measure(lambda: asyncio.run(closed_loop(stack.url, model, pool, batch)))
                     rows.append(latency_row(f"{engine} engine", level, traces, cpu))
                     print(json.dumps(rows[-1]), flush=True)
                 for repeat, (control, beside, long) in enumerate(prompts.long, 1):
@@ -541,15 +700,14 @@ def run_gateway(args: argparse.Namespace, model_dir: Path,
     return rows, prefill, fit
 
 
-def run_transformers(args: argparse.Namespace, model_dir: Path, tokenizer: PreTrainedTokenizerBase,
-                     prompts: Prompts) -> list[dict[str, Any]]:
+def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: Prompts) -> list[dict[str, Any]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     meter = CpuMeter({})
-    hf_closed_loop(model, tokenizer, prompts.warmup, 2, 8)
+    hf_closed_loop(model, tokenizer, prompts.warmup)
     rows = []
     for level, batch in prompts.levels.items():
-        (chunks, tokens), cpu = meter.measure(lambda: hf_closed_loop(model, tokenizer, batch, level, args.max_tokens))
+        (chunks, tokens), cpu = meter.measure(lambda: hf_closed_loop(model, tokenizer, batch))
         rows.append(latency_row("transformers TextIteratorStreamer (chunks)", level, chunks, cpu))
         rows.append(latency_row("transformers TextIteratorStreamer (tokens)", level, tokens, cpu))
         print(json.dumps(rows[-2]), flush=True)

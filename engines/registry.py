@@ -9,6 +9,7 @@ from typing import Any
 from engines.base import Engine
 
 ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
+TORCH_ENGINES = {"stream", "paged"}
 
 
 def quiet_model_loading() -> None:
@@ -23,7 +24,9 @@ def quiet_model_loading() -> None:
     hf_logging.set_verbosity_error()
 
 
-def create_engine(name: str, model: str | None, options: dict[str, Any]) -> Engine:
+def create_engine(name: str, model: str | None, options: dict[str, Any], threads: int | None = None) -> Engine:
+    """Build engine ``name``; ``threads`` pins torch's intra-op threads of the engines that
+    run on torch (the sim engine never imports it)."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
     quiet_model_loading()
@@ -33,4 +36,8 @@ def create_engine(name: str, model: str | None, options: dict[str, Any]) -> Engi
         raise RuntimeError(
             f"the {name} engine needs the engines extra (pip install 'slogate[engines]'): {exc}"
         ) from exc
+    if threads is not None and name in TORCH_ENGINES:
+        import torch
+
+        torch.set_num_threads(threads)
     return module.create(model, **options)

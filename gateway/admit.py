@@ -33,6 +33,7 @@ def retry_headers(seconds: float) -> dict[str, str]:
 
 async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: float) -> Decision:
     """Pick the pool for a request, or raise the 429/503/504 that says why it cannot go.
+    The caller brackets the admitted request with the directory's ``started``/``ended``.
 
     A batch request told to wait (interactive load is high on a pool it would share) is held
     here, before it costs any engine work, and asked about again until it may go or its
@@ -53,7 +54,6 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
             await asyncio.sleep(decision.retry_after_s)
             continue
         if decision.admitted:
-            state.directory.note_enqueued(decision.pool)
             return decision
         raise _refusal(state, cls, decision)
 

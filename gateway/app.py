@@ -125,6 +125,11 @@ def _export_fleet(state: GatewayState) -> None:
         m.live_workers.labels(pool).set(len(hbs))
         m.running.labels(pool).set(sum(hb.running for hb in hbs))
         m.kv_usage.labels(pool).set(sum(hb.kv_usage for hb in hbs) / len(hbs) if hbs else 0.0)
+        m.own_in_flight.labels(pool).set(state.directory.own.count(pool))
+    m.feedback_factor.set(state.admission.feedback.factor)
+    for pool, est in state.admission.estimates.items():
+        m.learned_cost.labels(pool, "prefill_per_token").set(est.prefill_s_per_token)
+        m.learned_cost.labels(pool, "decode_per_token").set(est.decode_s_per_token)
 
 
 def make_app(cfg: Config) -> web.Application:

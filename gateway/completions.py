@@ -111,10 +111,16 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             if span is not None:
                 span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
         request["audit"].update(pool=decision.pool, decision=decision.reason)
-        if not parsed.stream:
-            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived, deadline)
-        async with _stream_slot(state, caller.key_id):
-            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived, deadline)
+        slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
+        try:
+            if not parsed.stream:
+                return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
+                                  deadline)
+            async with _stream_slot(state, caller.key_id):
+                return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
+                                  deadline)
+        finally:
+            state.directory.own.end(decision.pool, slot)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,

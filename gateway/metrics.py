@@ -66,6 +66,13 @@ class GatewayMetrics:
         self.live_workers = Gauge("slogate_live_workers", "Workers with a live heartbeat", ["pool"], registry=r)
         self.kv_usage = Gauge("slogate_kv_cache_usage_ratio", "Mean KV-cache usage of a pool's workers",
                               ["pool"], registry=r)
+        self.own_in_flight = Gauge("slogate_pool_requests_in_flight",
+                                   "This gateway's requests in flight on a pool", ["pool"], registry=r)
+        self.feedback_factor = Gauge("slogate_admission_feedback_factor",
+                                     "Factor the latency feedback applies to predictions (1 = none)", registry=r)
+        self.learned_cost = Gauge("slogate_admission_learned_cost_seconds",
+                                  "Per-token costs admission learned from finished requests",
+                                  ["pool", "phase"], registry=r)
 
     def series(self, cls: str, pool: str, model: str) -> RequestSeries:
         key = (cls, pool, model)

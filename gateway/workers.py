@@ -15,8 +15,9 @@ from functools import cached_property
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from slogate import keys, protocol
+from policies.inflight import InFlight
 from policies.predict import PoolSignals
+from slogate import keys, protocol
 from slogate.protocol import Heartbeat, ModelInfo
 
 log = logging.getLogger("slogate.gateway")
@@ -29,6 +30,9 @@ class FleetView:
 
     heartbeats: list[Heartbeat] = field(default_factory=list)
     queue_depth: dict[str, int] = field(default_factory=dict)
+    """Entries in each pool's stream: queued or being served (workers delete them when done)."""
+    own_at_read: dict[str, int] = field(default_factory=dict)
+    """This gateway's own in-flight count per pool when the lengths were read."""
 
     @cached_property
     def by_pool(self) -> dict[str, list[Heartbeat]]:
@@ -46,15 +50,6 @@ class FleetView:
                 known = out.get(m.id)
                 if known is None or m.max_context < known.max_context:
                     out[m.id] = m
-        return out
-
-    @cached_property
-    def backlog(self) -> dict[str, tuple[int, list[Heartbeat]]]:
-        """Per pool: entries in its stream that no worker holds yet, and its workers."""
-        out = {}
-        for pool, depth in self.queue_depth.items():
-            workers = self.by_pool.get(pool, [])
-            out[pool] = (max(depth - sum(hb.running + hb.waiting for hb in workers), 0), workers)
         return out
 
     @cached_property
@@ -76,7 +71,8 @@ class WorkerDirectory:
         self.poll_s = poll_s
         self.view = FleetView()
         self.redis_ok = False
-        self._enqueued: dict[str, int] = {}
+        self.own = InFlight()
+        """This gateway's requests in flight; the request handlers start and end them."""
 
     async def refresh(self) -> None:
         try:
@@ -100,18 +96,19 @@ class WorkerDirectory:
                 log.error("Redis unreachable: %s", exc)
             self.redis_ok = False
             return
-        self.view = FleetView(heartbeats, dict(zip(pools, depths)))
-        self._enqueued = {}
+        self.view = FleetView(heartbeats, dict(zip(pools, depths)),
+                              {pool: self.own.count(pool) for pool in pools})
         self.redis_ok = True
 
-    def note_enqueued(self, pool: str) -> None:
-        self._enqueued[pool] = self._enqueued.get(pool, 0) + 1
-
     def signals(self) -> dict[str, PoolSignals]:
-        """Each pool's backlog that no worker has taken yet, plus what this gateway queued since
-        the last read: a burst is judged on the queue it builds, not on a stale, empty one."""
-        return {pool: PoolSignals(pool, backlog + self._enqueued.get(pool, 0), workers)
-                for pool, (backlog, workers) in self.view.backlog.items()}
+        """Each pool's requests in flight: this gateway's own, counted as they start and end,
+        plus the other gateways' as the last read of the stream's length left them."""
+        view, mine = self.view, self.own
+        out = {}
+        for pool, length in view.queue_depth.items():
+            others = max(length - view.own_at_read.get(pool, 0), 0)
+            out[pool] = PoolSignals(pool, mine.count(pool) + others, view.by_pool.get(pool, []), mine.ends(pool))
+        return out
 
     async def run(self) -> None:
         while True:

@@ -5,7 +5,9 @@ feedback factor, fits its objective. Put the other way round (the concurrency bo
 service time must fit the budget, and the queue wait predicted from the backlog ahead must fit
 what the service time leaves. That form names why a request was shed: it can never fit
 ("exceeds-objective", retrying will not help) or the pool is busy now ("overloaded", retry after
-the backlog drains). Interactive admission never looks at batch demand, so batch can never push
+the backlog drains). When no slot is free, only requests that hold one no longer than a small
+multiple of the pool's mean may queue: under overload, slot time goes where it makes the most
+on-time answers. Interactive admission never looks at batch demand, so batch can never push
 interactive work out; batch is held back ("wait") while interactive load is high on pools the two
 share, and shed only when its bounded queue is full or its deadline cannot be met.
 """
@@ -19,7 +21,7 @@ from typing import Literal
 from policies.circuit import CircuitBreaker
 from policies.config import PolicyConfig
 from policies.feedback import LatencyFeedback
-from policies.predict import PoolEstimate, PoolSignals
+from policies.predict import PoolEstimate, PoolSignals, Prediction
 from policies.routing import Route, pick
 
 Outcome = Literal["admit", "wait", "shed", "unavailable", "expired"]
@@ -38,6 +40,9 @@ class Decision:
     predicted_s: float | None = None
     pool: str | None = None
     worker: str | None = None
+    busy_until: float | None = None
+    """When an admitted request's slot should free (predicted wait + the whole answer); the
+    gateway keeps it while the request is in flight (:class:`policies.inflight.InFlight`)."""
 
     @property
     def admitted(self) -> bool:
@@ -98,23 +103,27 @@ class AdmissionController:
         usable = {p: s for p, s in signals.items() if self.breaker(p).ready(now)}
         if cls == "interactive":
             budget = self.budget(stream)
-            route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg)
+            route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg, now)
             return self._unavailable(own, signals, now) if route is None else self._interactive(route, budget, now)
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline)
 
     def _interactive(self, route: Route, budget: float, now: float) -> Decision:
         pred = route.prediction
         wait_budget = budget - pred.service_s
+        if pred.queue_wait_s > 0 and not self._may_queue(route.pool, pred):
+            wait_budget = 0.0
         if wait_budget < 0 or pred.queue_wait_s > wait_budget:
             if self._probe_due(route.pool, now):
                 self.breaker(route.pool).acquire(now)
-                return Decision("admit", "probe", 200, 0.0, pred.total_s, route.pool, route.worker)
+                return Decision("admit", "probe", 200, 0.0, pred.total_s, route.pool, route.worker,
+                                now + pred.queue_wait_s + pred.hold_s)
             if wait_budget < 0:
                 return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
             retry = self._clamp_retry(pred.queue_wait_s - wait_budget)
             return Decision("shed", "overloaded", 429, retry, pred.total_s, route.pool, route.worker)
         self.breaker(route.pool).acquire(now)
-        return Decision("admit", "spill" if route.spilled else "fits", 200, 0.0, pred.total_s, route.pool, route.worker)
+        return Decision("admit", "spill" if route.spilled else "fits", 200, 0.0, pred.total_s, route.pool,
+                        route.worker, now + pred.queue_wait_s + pred.hold_s)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
@@ -122,28 +131,39 @@ class AdmissionController:
         target = self.cfg.objectives.batch
         if deadline is not None and now >= deadline:
             return Decision("expired", "deadline", 504)
-        route = pick("batch", stream, prompt_tokens, max_tokens, model, usable, self.estimate, None, self.cfg)
+        route = pick("batch", stream, prompt_tokens, max_tokens, model, usable, self.estimate, None, self.cfg, now)
+        busy_until = None
         if route is not None:
             pool, worker, predicted = route.pool, route.worker, route.prediction.total_s
+            busy_until = now + route.prediction.queue_wait_s + route.prediction.hold_s
         else:
             # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
             queueable = next((p for p in own if p in usable or p not in signals), None)
             if queueable is None:
                 return self._unavailable(own, signals, now)
             pool, worker, predicted = queueable, None, None
-        depth = usable[pool].queue_depth if pool in usable else 0
+        depth = route.prediction.ahead if route is not None else usable[pool].in_flight if pool in usable else 0
         if depth >= target.max_queue:
             drain = target.hold_retry_s
             if route is not None:  # time for the excess to drain at the pool's throughput
                 pred = route.prediction
-                drain = pred.queue_wait_s * (depth - target.max_queue + 1) / (pred.ahead - pred.free_slots + 1)
+                drain = pred.queue_wait_s * (depth - target.max_queue + 1) / (pred.ahead + 1)
             return Decision("shed", "batch-queue-full", 429, self._clamp_retry(drain), predicted, pool, worker)
         if deadline is not None and predicted is not None and now + predicted > deadline:
             return Decision("shed", "cannot-meet-deadline", 429, 0.0, predicted, pool, worker)
         if pool in self._shared and self._interactive_load(signals) >= target.hold_load:
             return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
         self.breaker(pool).acquire(now)
-        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker)
+        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until)
+
+    def _may_queue(self, pool: str, pred: Prediction) -> bool:
+        """Whether an interactive request may wait for a slot rather than get one at once. Not
+        on a pool whose costs are not learned yet (its slot ends are guesses), and not when it
+        would hold its slot far longer than the pool's mean (see ``queue_hold_factor``)."""
+        adm = self.cfg.admission
+        if self.estimate(pool).samples < adm.estimator.min_samples:
+            return False
+        return not adm.queue_hold_factor or pred.hold_s <= adm.queue_hold_factor * pred.mean_hold_s
 
     def _probe_due(self, pool: str, now: float) -> bool:
         """Whether to let one request through a pool that predictions say is too slow.
@@ -163,10 +183,8 @@ class AdmissionController:
             sig = signals.get(pool)
             if sig is None:
                 continue
-            demand += sig.queue_depth
-            for w in sig.workers:
-                demand += w.running + w.waiting
-                capacity += w.capacity
+            demand += sig.in_flight
+            capacity += sum(w.capacity for w in sig.workers)
         return demand / capacity if capacity else 0.0
 
     def _unavailable(self, own: list[str], signals: Mapping[str, PoolSignals], now: float) -> Decision:
@@ -185,7 +203,7 @@ class AdmissionController:
         """Report a request that finished on ``pool`` (from its Final record). Teaches the pool's
         costs, counts as a success for its breaker and, for interactive work, feeds the loop."""
         self.estimate(pool).observe(prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s,
-                                    self.cfg.admission.estimator.alpha)
+                                    self.cfg.admission.estimator)
         self._last_heard[pool] = now
         self.breaker(pool).record_success(now)
         if cls == "interactive":

@@ -79,7 +79,14 @@ class Classification(_Section, frozen=True):
 class Estimator(_Section, frozen=True):
     alpha: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
     """EWMA weight of the newest finished request."""
-    min_samples: NonNegInt = 20
+    prefill_window: PosInt = 100
+    prefill_quantile: Fraction = 0.1
+    """Prefill cost per token is this quantile of the last ``prefill_window`` requests' samples.
+    What a first token took beyond its measured queue wait includes time spent waiting inside
+    a busy worker: load, not cost (the slot prediction accounts for it), and counted as cost it
+    would shed the very requests that could run. A low quantile is the cost without the wait;
+    a window lets it rise again when prefill really gets slower."""
+    min_samples: NonNegInt = 5
     """Finished requests a pool needs before its learned costs replace the heartbeat's."""
     prior_prefill_s_per_token: PosFloat = 0.00005
     prior_decode_s_per_token: PosFloat = 0.005
@@ -112,6 +119,11 @@ class Admission(_Section, frozen=True):
     min_retry_after_s: PosFloat = 0.05
     max_retry_after_s: PosFloat = 30.0
     unavailable_retry_after_s: PosFloat = 1.0
+    queue_hold_factor: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """When no slot is free now, a request that would hold one longer than this many times
+    the pool's mean is shed rather than queued: under overload the slots go to the answers
+    that make the most on-time requests per slot-second. Long streams still get in whenever
+    a slot is free without a queue. 0 turns this off."""
     probe_interval_s: PosFloat = 0.25
     """A pool that has been shedding and silent this long gets one request through, so its
     learned costs can recover once the overload passes."""

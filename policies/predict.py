@@ -1,16 +1,19 @@
 """Latency prediction for one request on one pool, from live load and learned costs.
 
-The model is deliberately small: a pool is ``sum(capacity)`` slots of continuous batching. A
-request waits until a slot frees for it; slots free at the pool's throughput (capacity / mean
-service time); then it pays prefill for its prompt and one decode step per token up to the
-point the objective measures (first token when streamed, last token otherwise). Each term is a
-number the gateway can see or learn, which is what lets a wrong prediction be traced.
+The model is deliberately small: a pool is ``sum(capacity)`` slots of continuous batching
+holding the requests in flight there. A request beyond the slots waits until one frees for it;
+slots free at the pool's throughput (capacity / mean service time); then it pays prefill for its
+prompt and one decode step per token up to the point the objective measures (first token when
+streamed, last token otherwise). Each term is a number the gateway can see or learn, which is
+what lets a wrong prediction be traced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import heapq
+from collections import deque
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from policies.config import Estimator
@@ -47,23 +50,32 @@ class PoolSignals:
     """One pool's live state as the gateway last read it."""
 
     pool: str
-    queue_depth: int
-    """Entries in the pool's stream no worker has taken yet. Workers delete entries only when
-    done, so from XLEN that is ``XLEN - sum(running + waiting)``; adding what this gateway
-    admitted since its last read keeps a burst from being judged on a stale, empty queue."""
+    in_flight: int
+    """Requests sent to the pool and not finished: queued in its stream, waiting in a worker
+    or running. The gateway counts its own exactly, as they start and end; other gateways'
+    come from the stream's length (workers delete an entry when it is done) at the last read.
+    Heartbeats' running counts are a second old, and at hundreds of requests a second a count
+    that old is fiction, so slots are judged on this number instead."""
     workers: Sequence[WorkerLoad]
+    own_ends: Collection[float] = ()
+    """When the slots of this gateway's own requests in flight should free (absolute times,
+    from :class:`policies.inflight.InFlight`); the rest of ``in_flight`` is other gateways'."""
 
 
 @dataclass(slots=True)
 class PoolEstimate:
-    """Costs learned from finished requests on one pool (EWMA). They include what heartbeats
-    cannot see (Redis hops, detokenisation), so once there are enough they are preferred."""
+    """Costs learned from finished requests on one pool: decode and the token means as EWMAs,
+    prefill as a low windowed quantile (see ``Estimator.prefill_quantile``). They include what
+    heartbeats cannot see (Redis hops, detokenisation), so once there are enough they are
+    preferred."""
 
     prefill_s_per_token: float
     decode_s_per_token: float
     prompt_tokens: float
     completion_tokens: float
     samples: int = 0
+    _prefill_samples: deque[float] = field(default_factory=deque)
+    _decode_seen: bool = False
 
     @classmethod
     def prior(cls, cfg: Estimator) -> PoolEstimate:
@@ -71,15 +83,25 @@ class PoolEstimate:
                    cfg.prior_prompt_tokens, cfg.prior_completion_tokens)
 
     def observe(self, prompt_tokens: int, completion_tokens: int, queue_wait_s: float,
-                ttft_s: float, e2e_s: float, alpha: float) -> None:
+                ttft_s: float, e2e_s: float, cfg: Estimator) -> None:
+        alpha = cfg.alpha
         keep = 1.0 - alpha
         decode = self.decode_s_per_token
+        if not self.samples:  # a first measurement beats the prior
+            self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         if completion_tokens >= 2 and e2e_s > ttft_s:
             decode = (e2e_s - ttft_s) / (completion_tokens - 1)
-            self.decode_s_per_token = keep * self.decode_s_per_token + alpha * decode
+            seen = self._decode_seen
+            self.decode_s_per_token = keep * self.decode_s_per_token + alpha * decode if seen else decode
+            self._decode_seen = True
         if prompt_tokens > 0:
             first = max(ttft_s - queue_wait_s - decode, 0.0) / prompt_tokens
-            self.prefill_s_per_token = keep * self.prefill_s_per_token + alpha * first
+            window = self._prefill_samples
+            if window.maxlen != cfg.prefill_window:
+                window = self._prefill_samples = deque(window, maxlen=cfg.prefill_window)
+            window.append(first)
+            ordered = sorted(window)
+            self.prefill_s_per_token = ordered[int(cfg.prefill_quantile * (len(ordered) - 1))]
         self.prompt_tokens = keep * self.prompt_tokens + alpha * prompt_tokens
         self.completion_tokens = keep * self.completion_tokens + alpha * completion_tokens
         self.samples += 1
@@ -90,9 +112,12 @@ class Prediction:
     queue_wait_s: float
     service_s: float
     """Prefill plus decode up to the token the objective measures."""
+    hold_s: float
+    """Prefill plus decode up to max_tokens: how long the request keeps its slot."""
+    mean_hold_s: float
+    """How long the pool's requests keep a slot on average."""
     ahead: int
-    """Requests before this one that need a slot (queued in Redis + waiting in workers)."""
-    free_slots: int
+    """Requests before this one still waiting for a slot."""
 
     @property
     def total_s(self) -> float:
@@ -104,10 +129,6 @@ class PoolLoad:
     """A pool's workers able to serve one request, summed in one pass (this is the hot loop)."""
 
     capacity: int
-    free: int
-    """Slots not running anything."""
-    waiting: int
-    """Requests workers took but have not started."""
     prefill_s_per_token: float
     decode_s_per_token: float
     """Capacity-weighted heartbeat costs; 0 when no worker reported a step yet."""
@@ -118,7 +139,7 @@ class PoolLoad:
 def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est: PoolEstimate) -> PoolLoad:
     """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
     max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
-    capacity = free = waiting = 0
+    capacity = 0
     cap_timed = prefill = decode = 0.0
     hint, best = None, 0.0
     prompt, completion = est.prompt_tokens, est.completion_tokens
@@ -136,8 +157,6 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
         if idle < 0:
             idle = 0
         capacity += cap
-        free += idle
-        waiting += w.waiting
         step = w.decode_step_s
         if step > 0:
             cap_timed += cap
@@ -151,7 +170,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
             hint, best = w.worker_id, score
     if cap_timed:
         prefill, decode = prefill / cap_timed, decode / cap_timed
-    return PoolLoad(capacity, free, waiting, prefill, decode, hint)
+    return PoolLoad(capacity, prefill, decode, hint)
 
 
 def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
@@ -167,16 +186,35 @@ def service_time(prefill_s_per_token: float, decode_s_per_token: float, prompt_t
     return prefill_s_per_token * prompt_tokens + decode_s_per_token * (1 if stream else max_tokens)
 
 
-def predict(queue_depth: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator,
-            prompt_tokens: int, max_tokens: int, stream: bool) -> Prediction | None:
+def slot_wait(in_flight: int, capacity: int, own_ends: Collection[float], now: float,
+              mean_service_s: float, step_s: float) -> float:
+    """Time until a slot is free for one more request: with ``k`` requests already in line for
+    one, the ``k + 1``-th of the requests in flight to end frees it. This gateway knows when
+    its own should end; other gateways' hold their share of the slots and free them at the
+    pool's mean pace (with none of its own, that is ``k`` mean service times over
+    ``capacity``). A request already past its predicted end was underestimated: it is taken
+    to need as long again as it is late (at least one step)."""
+    ahead = in_flight - capacity
+    if ahead < 0:
+        return 0.0
+    k = ahead + 1
+    remaining = heapq.nsmallest(k, [max(abs(end - now), step_s) for end in own_ends])
+    others = in_flight - len(own_ends)
+    if others > 0:
+        spacing = mean_service_s * in_flight / (others * capacity)
+        remaining += [spacing * j for j in range(1, min(others, k) + 1)]
+    return heapq.nsmallest(k, remaining)[-1]
+
+
+def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, prompt_tokens: int,
+            max_tokens: int, stream: bool, own_ends: Collection[float] = (), now: float = 0.0) -> Prediction | None:
     """None when no worker can serve the request, since then no number means anything.
-    Non-decreasing in queue depth and in the workers' waiting and running counts."""
+    Non-decreasing in ``in_flight``."""
     if load.capacity <= 0:
         return None
-    ahead = queue_depth + load.waiting
     prefill, decode = costs(load, est, cfg)
-    wait = 0.0
-    if ahead >= load.free:
-        mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
-        wait = (ahead - load.free + 1) * mean_service / load.capacity
-    return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream), ahead, load.free)
+    mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
+    wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, decode)
+    return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream),
+                      service_time(prefill, decode, prompt_tokens, max_tokens, False), mean_service,
+                      max(in_flight - load.capacity, 0))

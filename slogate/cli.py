@@ -44,11 +44,12 @@ def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     from engines.registry import create_engine
     from engines.worker import run_worker
+    from slogate.up import worker_threads
 
     pool_cfg = cfg.pools.get(args.pool)
     engine_name = args.engine or (pool_cfg.engine if pool_cfg else "sim")
     options = {**(pool_cfg.options if pool_cfg else {}), **_engine_options(args.option)}
-    engine = create_engine(engine_name, args.model or cfg.model, options)
+    engine = create_engine(engine_name, args.model or cfg.model, options, threads=worker_threads(cfg, args.threads))
     _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
 
 
@@ -112,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--engine", choices=["sim", "stream", "paged"])
     wk.add_argument("--model")
     wk.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
+    wk.add_argument("--threads", type=int,
+                    help="torch threads (default: $OMP_NUM_THREADS, else the cores shared among the config's "
+                         "workers, as `slogate up` sets them)")
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)

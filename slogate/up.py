@@ -36,6 +36,26 @@ def _tiny_model(state_dir: Path) -> str:
     return str(target)
 
 
+def shared_core_threads(cfg: Config) -> int:
+    """Torch threads per worker when all of ``cfg``'s workers share this machine's cores:
+    threads that outnumber the cores spin-wait on each other and run several times slower
+    (measured on 2 cores)."""
+    return max(1, (os.cpu_count() or 1) // max(1, sum(p.workers for p in cfg.pools.values())))
+
+
+def worker_threads(cfg: Config, requested: int | None = None) -> int:
+    """A worker's torch threads: ``requested``, else ``OMP_NUM_THREADS`` (what ``slogate up``
+    hands its workers), else the share of the cores ``slogate up`` would give it."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads must be at least 1, got {requested}")
+        return requested
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return shared_core_threads(cfg)
+
+
 def _worker_commands(cfg: Config, engine: str | None, options: dict[str, Any]) -> list[list[str]]:
     cmds = []
     for pool, pool_cfg in cfg.pools.items():
@@ -59,9 +79,7 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     if engine is None and not cfg.model and any(p.engine in REAL_ENGINES for p in cfg.pools.values()):
         cfg.model = _tiny_model(state_dir)
     env = {**os.environ, "SLOGATE_REDIS_URL": cfg.redis_url}
-    # Workers on one machine share its cores: torch threads that outnumber them spin-wait on
-    # each other and run several times slower (measured on 2 cores).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, sum(p.workers for p in cfg.pools.values())))))
+    env.setdefault("OMP_NUM_THREADS", str(shared_core_threads(cfg)))
     if cfg.model:
         env["SLOGATE_MODEL"] = cfg.model
     config_args = ["--config", os.environ["SLOGATE_CONFIG"]] if os.environ.get("SLOGATE_CONFIG") else []

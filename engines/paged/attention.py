@@ -34,8 +34,9 @@ class DecodeGroup:
     gather: torch.Tensor
     """Rows of the layer's pool viewed as [kv_heads * blocks, block_size * head_dim] (one row
     is one head's block), in [seqs, kv_heads, blocks] order."""
-    mask: torch.Tensor
-    """[seqs, 1, 1, blocks * block_size], True where the padded context is real."""
+    padding: torch.Tensor
+    """[seqs, 1, 1, blocks * block_size], True where the context is padding (past a
+    sequence's end)."""
 
 
 @dataclass
@@ -83,13 +84,13 @@ def paged_attention(
     heads = query.shape[1]
     q = query[0].transpose(0, 1)
     out = query.new_empty(q.shape)
+    scale = scaling if scaling is not None else head_dim**-0.5
     for g in meta.decodes:
         n = g.end - g.start
         k = k_rows.index_select(0, g.gather).view(n, kv_heads, -1, head_dim)
         v = v_rows.index_select(0, g.gather).view(n, kv_heads, -1, head_dim)
         qg = q[g.start : g.end].reshape(n, kv_heads, heads // kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scaling)
-        out[g.start : g.end] = o.view(n, heads, head_dim)
+        out[g.start : g.end] = _decode_attention(qg, k, v, g.padding, scale).view(n, heads, head_dim)
     for span in meta.prefills:
         qp = query[:, :, span.start : span.end]
         if span.gather is None:
@@ -102,6 +103,16 @@ def paged_attention(
         )
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, padding: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per sequence: two batched matmuls around a float32 softmax (as
+    transformers' eager attention does). For one-row queries this is about twice as fast on
+    CPU as ``scaled_dot_product_attention``, whose flash kernel is built for long queries."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).masked_fill_(padding, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -160,6 +160,6 @@ class ModelRunner:
         lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs], device=self.device)
         blocks = -(-int(lengths.max()) // self.block_size)
         width = blocks * self.block_size
-        mask = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        padding = torch.arange(width, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)
         rows = self._gather_rows([s.block_table for s in seqs], blocks)
-        return DecodeGroup(start, start + len(seqs), rows, mask.view(len(seqs), 1, 1, width))
+        return DecodeGroup(start, start + len(seqs), rows, padding.view(len(seqs), 1, 1, width))

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import inspect
+from dataclasses import fields
 from typing import Any
 
 from engines.runtime.loader import load_model
-from engines.stream.engine import StreamEngine
+from engines.stream.engine import StreamEngine, StreamOptions
 
-_OPTIONS = set(inspect.signature(StreamEngine).parameters) - {"loaded"}
+__all__ = ["StreamEngine", "StreamOptions", "create"]
 
 
 def create(model: str | None, dtype: str = "auto", device: str = "auto", **options: Any) -> StreamEngine:
-    """Load ``model`` (a local directory or hub id) and build the engine. ``options`` are
-    :class:`StreamEngine` arguments: max_batch (8), step_budget_ms (20),
-    prefill_chunk_tokens (None: sized from measured cost), min_prefill_chunk (16),
-    max_prefill_chunk (1024), enforce_deadline (False), warmup (True)."""
+    """Load ``model`` (a local directory or hub id) and build the engine; ``options`` are
+    :class:`StreamOptions` fields (max_batch, step_budget_ms, max_stall_ratio, min_chunk_tokens,
+    short_prompt_tokens, prefill_chunk_tokens, max_step_tokens, block_size, kv_cache_bytes,
+    num_blocks, enable_prefix_caching, warmup)."""
     if not model:
         raise ValueError("the stream engine needs a model (a local directory or hub id)")
-    unknown = sorted(set(options) - _OPTIONS)
+    known = {f.name for f in fields(StreamOptions)}
+    unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"unknown stream engine options: {', '.join(unknown)}; expected {', '.join(sorted(_OPTIONS))}")
-    return StreamEngine(load_model(model, dtype=dtype, device=device), **options)
-
-
-__all__ = ["StreamEngine", "create"]
+        raise ValueError(f"unknown stream engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+    return StreamEngine(load_model(model, dtype=dtype, device=device), StreamOptions(**options))

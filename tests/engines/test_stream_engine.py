@@ -1,6 +1,9 @@
+"""The stream engine against transformers' own ``generate`` (fp32, greedy): requests joining
+and leaving, chunked prompts and aborts must not change a token, and text streams out whole."""
+
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
 from pathlib import Path
 
@@ -9,7 +12,7 @@ import torch
 
 from engines.base import EngineRequest, StepOutput
 from engines.runtime.loader import LoadedModel, load_model
-from engines.stream import StreamEngine, create
+from engines.stream import StreamEngine, StreamOptions, create
 from slogate.protocol import SamplingParams
 
 PROMPTS = [
@@ -32,7 +35,22 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir: Path) -> LoadedModel:
+    """The reference: transformers' own attention, never handed to an engine (an engine
+    switches its model to paged attention)."""
     return load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+
+
+@pytest.fixture
+def make(tiny_model_dir: Path):
+    def build(model: torch.nn.Module | None = None, **options) -> StreamEngine:
+        fresh = load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+        if model is not None:
+            fresh.model = model
+        options.setdefault("warmup", False)
+        options.setdefault("num_blocks", 256)
+        return StreamEngine(fresh, StreamOptions(**options))
+
+    return build
 
 
 def request(
@@ -63,15 +81,21 @@ def tokens_of(outputs: list[StepOutput]) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 
 
-def reference(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def reference(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int, **kwargs) -> list[int]:
     ids = torch.tensor([prompt_ids])
-    out = loaded.model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    out = loaded.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **kwargs)
     return out[0, ids.shape[1] :].tolist()
 
 
+def assert_pool_clean(engine: StreamEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and engine.kv_bytes() == 0
+    assert engine.load().kv_usage == 0.0
+
+
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_greedy_matches_transformers_generate(loaded: LoadedModel, chunk: int | None):
-    engine = StreamEngine(loaded, prefill_chunk_tokens=chunk, warmup=False)
+def test_greedy_matches_transformers_generate(make, loaded: LoadedModel, chunk: int | None):
+    engine = make(prefill_chunk_tokens=chunk)
     chat = [{"role": "user", "content": "score this 🙂 transaction"}]
     engine.add_request(request("p0", PROMPTS[0], max_tokens=24))
     engine.add_request(request("p1", PROMPTS[1], max_tokens=24))
@@ -85,11 +109,11 @@ def test_greedy_matches_transformers_generate(loaded: LoadedModel, chunk: int | 
         expected = reference(loaded, loaded.encode(prompt, None), 24)
         assert tokens_of(outputs[f"p{i}"]) == expected, prompt
     assert tokens_of(outputs["chat"]) == reference(loaded, loaded.encode(None, chat), 24)
-    assert engine.kv_bytes() == 0
+    assert_pool_clean(engine)
 
 
-def test_each_token_is_output_the_step_it_is_sampled(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False)
+def test_each_token_is_output_the_step_it_is_sampled(make, loaded: LoadedModel):
+    engine = make()
     engine.add_request(request("a", PROMPTS[0], max_tokens=6, ignore_eos=True))
     steps = drain(engine)
     assert [len(s) for s in steps] == [1] * 6
@@ -100,8 +124,8 @@ def test_each_token_is_output_the_step_it_is_sampled(loaded: LoadedModel):
     assert steps[0][0].prompt_tokens == len(loaded.encode(PROMPTS[0], None))
 
 
-def test_random_model_deltas_concatenate_to_decoded_text(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False)
+def test_random_model_deltas_concatenate_to_decoded_text(make, loaded: LoadedModel):
+    engine = make()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(request(f"r{i}", prompt, max_tokens=40, temperature=1.0, seed=i, ignore_eos=True))
     for rid, outputs in by_request(drain(engine)).items():
@@ -109,33 +133,28 @@ def test_random_model_deltas_concatenate_to_decoded_text(loaded: LoadedModel):
         assert text == loaded.tokenizer.decode(tokens_of(outputs), skip_special_tokens=True), rid
 
 
-class ScriptedModel(torch.nn.Module):
-    """The real model (so the real KV path runs), its logits overridden to say ``script``."""
-
-    def __init__(self, model: torch.nn.Module, script: list[int], prompt_len: int) -> None:
-        super().__init__()
-        self.model, self.script, self.prompt_len = model, script, prompt_len
-        self.config = model.config
-
-    def forward(self, cache=None, **kwargs):
-        out = self.model(cache=cache, **kwargs)
-        index = kwargs["position_ids"][:, -1] + 1 - self.prompt_len
-        logits = torch.full_like(out.logits, -1e9)
-        for row, i in enumerate(index.tolist()):
-            logits[row, -1, self.script[i]] = 0.0
-        out.logits = logits
-        return out
-
-
-def scripted_engine(loaded: LoadedModel, text: str, prompt: str) -> StreamEngine:
+def scripted_model(loaded: LoadedModel, text: str, prompt: str) -> torch.nn.Module:
+    """A copy of the real model (so the real KV path runs) whose logits say ``text``, then eos:
+    the token at position p is the script's (p + 1 - prompt length)-th."""
     script = loaded.tokenizer(text, add_special_tokens=False).input_ids + [loaded.tokenizer.eos_token_id]
-    model = ScriptedModel(loaded.model, script, len(loaded.encode(prompt, None)))
-    return StreamEngine(dataclasses.replace(loaded, model=model), warmup=False)
+    prompt_len = len(loaded.encode(prompt, None))
+    model = copy.deepcopy(loaded.model)
+
+    def say(module, args, kwargs, output):
+        positions = kwargs["position_ids"][0, kwargs["logits_to_keep"]]
+        logits = torch.full_like(output.logits, -1e9)
+        for row, p in enumerate(positions.tolist()):
+            logits[0, row, script[p + 1 - prompt_len]] = 0.0
+        output.logits = logits
+        return output
+
+    model.register_forward_hook(say, with_kwargs=True)
+    return model
 
 
-def test_chinese_and_emoji_stream_as_whole_characters(loaded: LoadedModel):
+def test_chinese_and_emoji_stream_as_whole_characters(make, loaded: LoadedModel):
     text = "风险评分 🚀 完成了 👍🏽 naïve café 你好"
-    engine = scripted_engine(loaded, text, "q")
+    engine = make(scripted_model(loaded, text, "q"))
     engine.add_request(request("a", "q", max_tokens=200))
     engine.add_request(request("b", "q", max_tokens=200))
     outputs = by_request(drain(engine))
@@ -147,9 +166,9 @@ def test_chinese_and_emoji_stream_as_whole_characters(loaded: LoadedModel):
         assert outputs[rid][-1].finish_reason == "stop"
 
 
-def test_stop_string_split_across_tokens_is_never_emitted_in_part(loaded: LoadedModel):
+def test_stop_string_split_across_tokens_is_never_emitted_in_part(make, loaded: LoadedModel):
     text = "risk 风险评估 is high 风险评分 END ignored"
-    engine = scripted_engine(loaded, text, "q")
+    engine = make(scripted_model(loaded, text, "q"))
     engine.add_request(request("a", "q", max_tokens=200, stop=["风险评分"]))
     outputs = by_request(drain(engine))["a"]
     streamed = ""
@@ -161,47 +180,43 @@ def test_stop_string_split_across_tokens_is_never_emitted_in_part(loaded: Loaded
     assert outputs[-1].finish_reason == "stop"
 
 
-def test_abort_frees_kv_at_once_and_survivors_are_unaffected(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False)
+def test_abort_frees_kv_at_once_and_survivors_are_unaffected(make, loaded: LoadedModel):
+    engine = make()
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(request(f"p{i}", prompt, max_tokens=16, min_tokens=16))
     steps = [engine.step() for _ in range(3)]
     assert all(engine.kv_tokens(f"p{i}") > 0 for i in range(3))
-    before = engine.kv_bytes()
-    longest = engine.kv_tokens("p2")
+    before, used = engine.kv_bytes(), engine.load().kv_usage
     engine.abort_request("p2")
     assert engine.kv_tokens("p2") == 0
-    assert "p2" not in engine._batch
-    assert engine.kv_bytes() < before * 0.7, "the longest row's padding must go too"
-    assert engine._batch.mask.shape[1] < longest
+    assert engine.kv_bytes() < before and engine.load().kv_usage < used
+    assert engine.load().running == 2
     steps += drain(engine)
     outputs = by_request(steps)
     assert len(outputs["p2"]) == 3
     for i in range(2):
         ids = loaded.encode(PROMPTS[i], None)
-        ref = loaded.model.generate(
-            torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16
-        )
-        assert tokens_of(outputs[f"p{i}"]) == ref[0, len(ids) :].tolist()
-    assert engine.kv_bytes() == 0
+        assert tokens_of(outputs[f"p{i}"]) == reference(loaded, ids, 16, min_new_tokens=16)
+    assert_pool_clean(engine)
 
 
-def test_abort_while_waiting_or_prefilling(loaded: LoadedModel):
-    engine = StreamEngine(loaded, max_batch=1, prefill_chunk_tokens=4, warmup=False)
+def test_abort_while_waiting_or_prefilling(make):
+    engine = make(max_batch=1, prefill_chunk_tokens=4)
     engine.add_request(request("long", PROMPTS[2], max_tokens=4))
     engine.add_request(request("queued", PROMPTS[0], max_tokens=4))
     engine.step()
     assert engine.kv_tokens("long") == 4
+    assert engine.load().waiting == 1
     engine.abort_request("long")
     engine.abort_request("queued")
     assert engine.kv_tokens("long") == 0
-    assert engine.kv_bytes() == 0
+    assert_pool_clean(engine)
     assert not engine.has_unfinished()
     assert engine.step() == []
 
 
-def test_waiting_requests_go_earliest_deadline_first(loaded: LoadedModel):
-    engine = StreamEngine(loaded, max_batch=1, warmup=False)
+def test_waiting_requests_go_earliest_deadline_first(make):
+    engine = make(max_batch=1)
     engine.add_request(request("late", PROMPTS[0], deadline=300, max_tokens=2, ignore_eos=True))
     engine.add_request(request("soon", PROMPTS[0], deadline=100, max_tokens=2, ignore_eos=True))
     engine.add_request(request("middle", PROMPTS[0], deadline=200, max_tokens=2, ignore_eos=True))
@@ -213,8 +228,8 @@ def test_waiting_requests_go_earliest_deadline_first(loaded: LoadedModel):
     assert engine.load().waiting == 0
 
 
-def test_long_prompt_is_chunked_and_running_streams_keep_going(loaded: LoadedModel):
-    engine = StreamEngine(loaded, prefill_chunk_tokens=32, warmup=False)
+def test_long_prompt_is_chunked_and_running_streams_keep_going(make, loaded: LoadedModel):
+    engine = make(prefill_chunk_tokens=32)
     engine.add_request(request("chat", PROMPTS[0], max_tokens=100, ignore_eos=True))
     engine.step()
     long_prompt = " ".join(PROMPTS * 12)
@@ -235,8 +250,8 @@ def test_long_prompt_is_chunked_and_running_streams_keep_going(loaded: LoadedMod
     assert step["long"].token_ids == expected[:1]
 
 
-def test_too_long_request_errors_on_next_step_without_raising(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False)
+def test_too_long_request_errors_on_next_step_without_raising(make, loaded: LoadedModel):
+    engine = make()
     engine.add_request(request("ok", PROMPTS[0], max_tokens=2))
     n = len(loaded.encode(PROMPTS[1], None))
     engine.add_request(request("big", PROMPTS[1], max_tokens=loaded.max_context))
@@ -249,40 +264,19 @@ def test_too_long_request_errors_on_next_step_without_raising(loaded: LoadedMode
     assert outputs["ok"][-1].finish_reason in ("stop", "length")
 
 
-def test_a_failing_forward_fails_only_its_request(loaded: LoadedModel):
-    class FailsOnLongInput(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model, self.config = model, model.config
-
-        def forward(self, cache=None, **kwargs):
-            if kwargs["input_ids"].shape[1] > 30:
-                raise RuntimeError("out of memory")
-            return self.model(cache=cache, **kwargs)
-
-    engine = StreamEngine(dataclasses.replace(loaded, model=FailsOnLongInput(loaded.model)), warmup=False)
-    engine.add_request(request("short", PROMPTS[0], max_tokens=3, ignore_eos=True))
-    engine.add_request(request("long", " ".join(PROMPTS * 3), max_tokens=3))
-    outputs = by_request(drain(engine))
-    assert outputs["long"][0].error_status == 500 and "out of memory" in outputs["long"][0].error
-    assert tokens_of(outputs["short"]) == reference(loaded, loaded.encode(PROMPTS[0], None), 3)
-
-
-def test_passed_deadline_ends_the_request_when_enforced(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False, enforce_deadline=True)
+def test_passed_deadline_ends_the_request(make):
+    engine = make()
     engine.add_request(request("gone", PROMPTS[0], deadline=-1, max_tokens=5))
     engine.add_request(request("fine", PROMPTS[0], max_tokens=5, ignore_eos=True))
     outputs = by_request(drain(engine))
     assert [o.finish_reason for o in outputs["gone"]] == ["deadline"]
     assert len(tokens_of(outputs["fine"])) == 5
-    relaxed = StreamEngine(loaded, warmup=False)
-    relaxed.add_request(request("gone", PROMPTS[0], deadline=-1, max_tokens=5, ignore_eos=True))
-    assert len(tokens_of(by_request(drain(relaxed))["gone"])) == 5
+    assert_pool_clean(engine)
 
 
-def test_seeded_sampling_repeats_whatever_else_runs(loaded: LoadedModel):
+def test_seeded_sampling_repeats_whatever_else_runs(make):
     def run(companions: int) -> list[int]:
-        engine = StreamEngine(loaded, warmup=False)
+        engine = make()
         engine.add_request(request("x", PROMPTS[0], max_tokens=12, temperature=0.9, top_p=0.9, seed=7))
         for i in range(companions):
             engine.add_request(request(f"c{i}", PROMPTS[i], max_tokens=12, temperature=1.0))
@@ -296,12 +290,15 @@ def test_create_measures_costs_for_load_reports(tiny_model_dir: Path):
     load = engine.load()
     assert load.capacity == 3 and load.running == 0 and load.waiting == 0
     assert load.prefill_s_per_token > 0 and load.decode_step_s > 0
+    assert engine.cost.fixed_s > 0 and engine.cost.per_token_s > 0
+    assert_pool_clean(engine)
     for i in range(5):
         engine.add_request(request(f"r{i}", PROMPTS[0], max_tokens=4))
     engine.step()
     load = engine.load()
     assert (load.running, load.waiting) == (3, 2)
     assert 0 < load.kv_usage < 1 and load.extra["kv_bytes"] > 0
+    assert load.extra["prefill_step_s"] > 0 and load.extra["step_budget_s"] == 0.02
 
 
 def test_create_names_a_bad_option(tiny_model_dir: Path):
@@ -311,33 +308,32 @@ def test_create_names_a_bad_option(tiny_model_dir: Path):
         create(None)
 
 
-def test_request_done_at_its_first_token_holds_no_kv(loaded: LoadedModel):
-    engine = StreamEngine(loaded, warmup=False)
+def test_request_done_at_its_first_token_holds_no_kv(make, loaded: LoadedModel):
+    engine = make()
     engine.add_request(request("one", PROMPTS[0], max_tokens=1))
     engine.add_request(request("two", PROMPTS[1], max_tokens=2, ignore_eos=True))
     first = {o.request_id: o for o in engine.step()}
     assert first["one"].finish_reason == "length" and len(first["one"].token_ids) == 1
-    assert engine.kv_tokens("one") == 0 and len(engine._batch) == 1
+    assert engine.kv_tokens("one") == 0 and engine.load().running == 1
     assert engine.kv_tokens("two") == len(loaded.encode(PROMPTS[1], None))
 
 
-def test_an_earlier_deadline_overtakes_a_prompt_being_prefilled(loaded: LoadedModel):
-    engine = StreamEngine(loaded, prefill_chunk_tokens=8, warmup=False)
+def test_an_earlier_deadline_overtakes_a_prompt_being_prefilled(make, loaded: LoadedModel):
+    engine = make(prefill_chunk_tokens=8)
     engine.add_request(request("long", " ".join(PROMPTS), deadline=300, max_tokens=2))
     engine.step()
     assert engine.kv_tokens("long") == 8
     engine.add_request(request("urgent", PROMPTS[3], deadline=100, max_tokens=2))
-    assert len(loaded.encode(PROMPTS[3], None)) <= 8
+    urgent = len(loaded.encode(PROMPTS[3], None))
+    assert urgent < 8
     assert [o.request_id for o in engine.step()] == ["urgent"]
-    assert engine.kv_tokens("long") == 8
-    engine.step()
-    assert engine.kv_tokens("long") == 16
+    assert engine.kv_tokens("long") == 8 + (8 - urgent), "the long prompt gets only what is left"
 
 
-def test_a_burst_of_short_prompts_is_not_let_in_one_per_step(loaded: LoadedModel) -> None:
-    """Even when decoding alone fills the step budget, each step prefills at least
-    ``min_prefill_tokens`` of waiting prompts, so a burst gets its first tokens together."""
-    engine = StreamEngine(loaded, max_batch=16, step_budget_ms=0.001, min_prefill_tokens=512)
+def test_a_burst_of_short_prompts_is_not_let_in_one_per_step(make) -> None:
+    """Even when decoding alone fills the step budget, each step takes whole short prompts up
+    to ``short_prompt_tokens``, so a burst gets its first tokens together."""
+    engine = make(max_batch=16, step_budget_ms=0.001, short_prompt_tokens=512)
     engine.add_request(request("running", "one stream already decoding", max_tokens=64, ignore_eos=True))
     engine.step()
     for i in range(15):

@@ -23,9 +23,9 @@ def hb(worker_id: str, running: int = 0, waiting: int = 0, capacity: int = 8, de
 def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: int = 64,
             b_waiting: int = 0, b_decode: float = 0.03) -> dict[str, PoolSignals]:
     return {
-        "interactive": PoolSignals("interactive", i_depth,
+        "interactive": PoolSignals("interactive", i_depth + 2 * i_running,
                                    [hb("i1", running=i_running), hb("i2", running=i_running)]),
-        "batch": PoolSignals("batch", b_depth,
+        "batch": PoolSignals("batch", b_depth + b_running + b_waiting,
                              [hb("b1", running=b_running, waiting=b_waiting, capacity=64, decode=b_decode)]),
     }
 
@@ -209,7 +209,7 @@ def test_missing_max_tokens_is_costed_at_the_mean_answer() -> None:
 
 def test_multiple_pools_per_class_take_the_least_loaded() -> None:
     cfg = load({"routing": {"pools": {"interactive": ["a", "b"]}, "interactive_spill": []}})
-    sig = {"a": PoolSignals("a", 30, [hb("a1", running=8)]), "b": PoolSignals("b", 0, [hb("b1", running=3)])}
+    sig = {"a": PoolSignals("a", 38, [hb("a1", running=8)]), "b": PoolSignals("b", 3, [hb("b1", running=3)])}
     d = AdmissionController(cfg).decide(cls="interactive", stream=True, prompt_tokens=10, max_tokens=50,
                                         signals=sig, now=0.0)
     assert (d.pool, d.worker) == ("b", "b1")
@@ -233,3 +233,36 @@ def test_no_spill_by_default() -> None:
     ctl = AdmissionController(load({}))
     d = ask(ctl, signals(i_depth=200, i_running=8, b_running=0), now=0.0)
     assert (d.outcome, d.pool) == ("shed", "interactive"), "an idle batch pool does not take interactive work"
+
+
+def teach(ctl: AdmissionController) -> None:
+    """Enough finished requests that the interactive pool's costs count as learned: 0.0001 s a
+    prompt token and 0.01 s a decode step (the heartbeats' figures), 100-token prompts, 8-token
+    answers, so a request holds a slot 0.09 s on average. Reported as batch work, so the latency
+    feedback stays out of it."""
+    for _ in range(CFG.admission.estimator.min_samples):
+        ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
+                    queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=0.0)
+
+
+def test_an_unlearned_pool_takes_only_what_fits_its_free_slots() -> None:
+    ctl = AdmissionController(CFG)
+    assert ask(ctl, signals(i_running=7, i_depth=1)).admitted  # 15 of 16 slots held
+    d = ask(ctl, signals(i_running=8, i_depth=1))  # one would have to wait
+    assert (d.outcome, d.reason) == ("shed", "overloaded")
+    teach(ctl)
+    assert ask(ctl, signals(i_running=8, i_depth=1)).admitted
+
+
+def test_long_holders_take_free_slots_but_do_not_queue() -> None:
+    ctl = AdmissionController(CFG)
+    teach(ctl)
+    long_stream = {"stream": True, "max_tokens": 100}  # holds its slot ~1 s, 11x the mean
+    assert ask(ctl, signals(i_running=7), **long_stream).admitted
+    d = ask(ctl, signals(i_running=8, i_depth=1), **long_stream)
+    assert (d.outcome, d.reason) == ("shed", "overloaded")
+    assert d.retry_after_s >= CFG.admission.min_retry_after_s
+    assert ask(ctl, signals(i_running=8, i_depth=1)).admitted  # a short answer may queue there
+    unlimited = AdmissionController(load({"admission": {"queue_hold_factor": 0}}))
+    teach(unlimited)
+    assert ask(unlimited, signals(i_running=8, i_depth=1), **long_stream).admitted

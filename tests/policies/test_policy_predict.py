@@ -5,7 +5,8 @@ from itertools import pairwise
 import pytest
 
 from policies.config import load
-from policies.predict import PoolEstimate, aggregate, costs, predict
+from policies.inflight import InFlight
+from policies.predict import PoolEstimate, aggregate, costs, predict, slot_wait
 from slogate.protocol import Heartbeat, ModelInfo
 
 EST_CFG = load({}).admission.estimator
@@ -18,13 +19,13 @@ def hb(worker_id: str = "w", running: int = 0, waiting: int = 0, capacity: int =
                      prefill_s_per_token=prefill, decode_step_s=decode)
 
 
-def pred(queue_depth: int, workers: list[Heartbeat], stream: bool = False, max_tokens: int = 8):
+def pred(in_flight: int, workers: list[Heartbeat], stream: bool = False, max_tokens: int = 8):
     est = PoolEstimate.prior(EST_CFG)
-    return predict(queue_depth, aggregate(workers, "m", 100 + max_tokens, est), est, EST_CFG, 100, max_tokens, stream)
+    return predict(in_flight, aggregate(workers, "m", 100 + max_tokens, est), est, EST_CFG, 100, max_tokens, stream)
 
 
 def test_idle_pool_costs_only_service() -> None:
-    p = pred(0, [hb(running=3)])
+    p = pred(3, [hb(running=3)])
     assert p.queue_wait_s == 0.0
     assert p.service_s == pytest.approx(100 * 0.0001 + 8 * 0.01)
 
@@ -33,17 +34,19 @@ def test_streamed_service_stops_at_the_first_token() -> None:
     assert pred(0, [hb()], stream=True, max_tokens=500).service_s == pytest.approx(100 * 0.0001 + 0.01)
 
 
-def test_wait_is_non_decreasing_in_queue_depth_and_grows_once_slots_run_out() -> None:
+def test_wait_is_non_decreasing_in_flight_and_grows_once_slots_run_out() -> None:
     workers = [hb(running=6, capacity=8), hb("v", running=8, waiting=1, capacity=8)]
-    waits = [pred(d, workers).queue_wait_s for d in range(0, 200)]
+    predictions = [pred(n, workers) for n in range(0, 200)]
+    waits = [p.queue_wait_s for p in predictions]
     assert all(a <= b for a, b in pairwise(waits))
-    assert waits[0] == 0.0  # 2 free slots, 1 waiting ahead
-    assert waits[1] > 0.0 and waits[199] > 50 * waits[1]
+    assert waits[15] == 0.0 and predictions[15].ahead == 0  # the 16th slot is free
+    assert waits[16] > 0.0 and waits[199] > 50 * waits[16]
+    assert predictions[199].ahead == 199 - 16
 
 
 def test_wait_shrinks_with_capacity() -> None:
     small = pred(40, [hb(running=8)]).queue_wait_s
-    big = pred(40, [hb(running=8), hb("v", running=8)]).queue_wait_s
+    big = pred(40, [hb(running=8), hb("v", running=8)]).queue_wait_s  # same requests, twice the slots
     assert 0 < big < small
 
 
@@ -58,7 +61,7 @@ def test_heartbeat_costs_until_enough_learned_samples() -> None:
     load = aggregate(workers, None, 0, est)
     assert costs(load, est, EST_CFG) == pytest.approx((0.0025, 0.035))  # capacity-weighted
     for _ in range(EST_CFG.min_samples):
-        est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.16, alpha=EST_CFG.alpha)
+        est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.16, cfg=EST_CFG)
     learned = costs(load, est, EST_CFG)
     assert learned == (est.prefill_s_per_token, est.decode_s_per_token)
     assert learned != pytest.approx((0.0025, 0.035))
@@ -75,7 +78,7 @@ def test_ewma_converges_to_measured_costs() -> None:
     # 0.01 s per decode token, 0.0005 s per prompt token, 0.2 s in the queue.
     for _ in range(200):
         ttft = 0.2 + 200 * 0.0005 + 0.01
-        est.observe(200, 21, queue_wait_s=0.2, ttft_s=ttft, e2e_s=ttft + 20 * 0.01, alpha=EST_CFG.alpha)
+        est.observe(200, 21, queue_wait_s=0.2, ttft_s=ttft, e2e_s=ttft + 20 * 0.01, cfg=EST_CFG)
     assert est.decode_s_per_token == pytest.approx(0.01, rel=1e-3)
     assert est.prefill_s_per_token == pytest.approx(0.0005, rel=1e-3)
     assert (est.prompt_tokens, est.completion_tokens) == (pytest.approx(200, rel=1e-3), pytest.approx(21, rel=1e-3))
@@ -85,7 +88,7 @@ def test_ewma_converges_to_measured_costs() -> None:
 def test_single_token_answers_do_not_teach_decode() -> None:
     est = PoolEstimate.prior(EST_CFG)
     before = est.decode_s_per_token
-    est.observe(10, 1, queue_wait_s=0.0, ttft_s=0.5, e2e_s=0.5, alpha=0.5)
+    est.observe(10, 1, queue_wait_s=0.0, ttft_s=0.5, e2e_s=0.5, cfg=EST_CFG)
     assert est.decode_s_per_token == before
 
 
@@ -102,5 +105,54 @@ def test_only_workers_that_serve_the_request_count() -> None:
     short = Heartbeat(worker_id="short", pool="p", engine="sim", models=[ModelInfo("m", 64)],
                       running=0, waiting=0, capacity=8)
     load = aggregate([other, short, hb("good", running=7, waiting=2), hb("off", capacity=0)], "m", 108, est)
-    assert (load.capacity, load.free, load.waiting, load.hint) == (8, 1, 2, "good")
+    assert (load.capacity, load.hint) == (8, "good")
     assert aggregate([other, short], None, 108, est).capacity == 16
+
+
+def test_slot_wait_reads_when_own_requests_end() -> None:
+    long_streams = [10.0 + 0.8] * 16
+    short_scores = [10.0 + 0.01 * (i + 1) for i in range(16)]
+    assert slot_wait(15, 16, long_streams[:15], now=10.0, mean_service_s=0.1, step_s=0.005) == 0.0
+    assert slot_wait(16, 16, long_streams, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx(0.8)
+    assert slot_wait(16, 16, short_scores, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx(0.01)
+    assert slot_wait(18, 16, short_scores + [10.5, 10.6], now=10.0, mean_service_s=0.1,
+                     step_s=0.005) == pytest.approx(0.03)  # third in line: the third end
+    late = [9.9] * 15 + [9.999]
+    assert slot_wait(16, 16, late, now=10.0, mean_service_s=0.1, step_s=0.005) == 0.005
+    assert slot_wait(17, 16, late, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx(0.1)
+
+
+def test_slot_wait_without_own_requests_is_the_mean_pace() -> None:
+    for k in (1, 5, 40):
+        assert slot_wait(16 + k - 1, 16, [], now=0.0, mean_service_s=0.32, step_s=0.005) == pytest.approx(k * 0.02)
+
+
+def test_in_flight_tracks_each_request_until_it_ends() -> None:
+    own = InFlight()
+    a, b = own.start("p", 1.0), own.start("p", 2.0)
+    own.start("q", 3.0)
+    assert (own.count("p"), own.count("q"), own.count("none")) == (2, 1, 0)
+    own.end("p", a)
+    assert (own.count("p"), list(own.ends("p"))) == (1, [2.0])
+    own.end("p", b)
+    assert own.count("p") == 0 and list(own.ends("none")) == []
+
+
+def test_prefill_follows_the_lower_envelope() -> None:
+    """Time waiting inside a busy worker lands in a request's first-token time; it must not
+    be learned as prefill cost, or admission sheds the very requests that could run."""
+    est = PoolEstimate.prior(EST_CFG)
+    step = est.decode_s_per_token  # one-token answers: the first token is prefill plus one step
+
+    def observe(prefill_s: float) -> None:
+        est.observe(200, 1, queue_wait_s=0.0, ttft_s=prefill_s + step, e2e_s=prefill_s + step, cfg=EST_CFG)
+
+    for _ in range(100):
+        observe(200 * 0.0001)
+    assert est.prefill_s_per_token == pytest.approx(0.0001, rel=0.05)
+    for i in range(300):  # two requests in three waited up to 300 ms behind others
+        observe(200 * 0.0001 + (0.001 * (i % 300) if i % 3 else 0.0))
+    assert est.prefill_s_per_token == pytest.approx(0.0001, rel=0.05)
+    for _ in range(EST_CFG.prefill_window):  # prefill really got slower: the estimate follows
+        observe(200 * 0.0005)
+    assert est.prefill_s_per_token == pytest.approx(0.0005, rel=0.05)

@@ -27,11 +27,12 @@ def route(signals: dict[str, PoolSignals], cls: str = "interactive", budget: flo
 
 
 def busy(pool: str, depth: int, decode: float = 0.01) -> PoolSignals:
-    return PoolSignals(pool, depth, [hb(f"{pool}-1", running=8, decode=decode)])
+    """``depth`` requests queued behind 8 running on the pool's one 8-slot worker."""
+    return PoolSignals(pool, depth + 8, [hb(f"{pool}-1", running=8, decode=decode)])
 
 
 def idle(pool: str, decode: float = 0.01) -> PoolSignals:
-    return PoolSignals(pool, 0, [hb(f"{pool}-1", running=1, decode=decode)])
+    return PoolSignals(pool, 1, [hb(f"{pool}-1", running=1, decode=decode)])
 
 
 def test_least_predicted_own_pool_wins() -> None:

@@ -1,0 +1,112 @@
+"""The stream engine's scheduler: the paged engine's blocks, queues and preemption, with a
+latency-first choice of what each step runs.
+
+Every step runs one decode for each running stream. What is left of the step goes to prompts,
+earliest deadline first across prompts being prefilled and requests still waiting, so an
+urgent newcomer overtakes a long prompt halfway through its prefill. While streams decode,
+prompt work may add at most ``max_stall_ratio`` times a decode-only step, and never more than
+``step_budget_s``: a long prompt enters in chunks sized by :class:`StepCost` and the gap
+between a stream's tokens stays bounded. With no stream decoding there is no gap to protect,
+so the step takes every waiting prompt it can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.paged.block_manager import BlockManager
+from engines.paged.scheduler import Schedule, Scheduler
+from engines.paged.sequence import Sequence, Status
+from engines.stream.cost import StepCost
+
+
+@dataclass
+class LatencyPolicy:
+    step_budget_s: float = 0.020
+    """The most engine time prompt work may add to a step while streams decode."""
+    max_stall_ratio: float = 1.0
+    """Prompt work may add at most this multiple of a decode-only step, so a stream's gap
+    stays within (1 + ratio) times its usual one even when decode steps are fast."""
+    min_chunk_tokens: int = 16
+    """The most urgent prompt advances at least this much each step, however full it is."""
+    short_prompt_tokens: int = 512
+    """Whole prompts up to this many tokens in all enter each step whatever the budget: a
+    burst of short requests gets its first tokens together instead of one per step."""
+    fixed_chunk_tokens: int | None = None
+    """Prompt tokens per step instead of a time budget (for tests and experiments)."""
+
+
+class LatencyScheduler(Scheduler):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_step_tokens: int,
+                 max_model_len: int, cost: StepCost, policy: LatencyPolicy) -> None:
+        super().__init__(block_manager, max_num_seqs, max_step_tokens, max_model_len)
+        self.cost = cost
+        self.policy = policy
+        self.last_plan: tuple[int, list[tuple[int, int]]] = (0, [])
+        """Decode rows and prompt chunks ``(start, tokens)`` of the last schedule, which the
+        engine's measured step time is set against."""
+
+    def schedule(self) -> Schedule:
+        sched = Schedule()
+        self.running.sort(key=lambda s: s.priority)
+        for seq in [s for s in self.running if not s.is_prefilling]:
+            if seq.status is not Status.RUNNING or not self._make_room(seq, sched):
+                continue
+            self.block_manager.may_append(seq)
+            sched.add(seq, 1)
+        decodes = len(sched.seqs)
+        self._fill_with_prompts(sched, decodes)
+        chunks = [(s.num_computed_tokens, n) for s, n in zip(sched.seqs[decodes:], sched.num_new_tokens[decodes:])]
+        self.last_plan = (decodes, chunks)
+        return sched
+
+    def allowance_s(self, decodes: int) -> float:
+        """Seconds of prompt work a step with ``decodes`` decode rows may take."""
+        if decodes == 0:
+            return float("inf")
+        return min(self.policy.step_budget_s, self.policy.max_stall_ratio * self.cost.decode_step_s(decodes))
+
+    def _fill_with_prompts(self, sched: Schedule, decodes: int) -> None:
+        p = self.policy
+        time_left = self.allowance_s(decodes)
+        tokens_left = (p.fixed_chunk_tokens if p.fixed_chunk_tokens is not None
+                       else self.max_batched_tokens - decodes)
+        short_left = p.short_prompt_tokens
+        prefilling = [s for s in self.running if s.is_prefilling and s.status is Status.RUNNING]
+        waiting = self.waiting if not sched.preempted else []
+        for seq in sorted(prefilling + waiting, key=lambda s: s.priority):
+            if tokens_left <= 0:
+                return
+            start = seq.num_computed_tokens
+            remaining = len(seq) - start
+            if p.fixed_chunk_tokens is not None:
+                n = remaining
+            elif self.cost.prefill_s([(start, remaining)]) <= time_left:
+                n = remaining
+            elif start == 0 and remaining <= short_left:
+                n = remaining
+                short_left -= remaining
+            else:
+                n = self.cost.tokens_within(time_left, start)
+                if not sched.num_new_tokens[decodes:]:
+                    n = max(n, p.min_chunk_tokens)
+            n = min(n, remaining, tokens_left)
+            if n <= 0:
+                continue
+            if seq.status is Status.WAITING and not self._start(seq):
+                continue
+            n = min(n, len(seq) - seq.num_computed_tokens)
+            sched.add(seq, n)
+            tokens_left -= n
+            time_left -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
+
+    def _start(self, seq: Sequence) -> bool:
+        """Move a waiting request into the batch if a slot and its blocks are free."""
+        reserve = len(self.running) + 1 if self.running else 0
+        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq, reserve):
+            return False
+        self.waiting.remove(seq)
+        self.block_manager.allocate(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True

@@ -1,0 +1,117 @@
+"""The stream engine's step policy over plain sequences (no model): what each step runs and
+how much prompt work it lets in, priced by a known cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.paged.block_manager import BlockManager
+from engines.paged.scheduler import Schedule
+from engines.paged.sequence import Sequence, Status
+from engines.stream.cost import StepCost
+from engines.stream.scheduler import LatencyPolicy, LatencyScheduler
+from slogate.protocol import SamplingParams
+
+
+def cost() -> StepCost:
+    """1 ms per pass, 0.1 ms per decode row, 10 us per prompt token, more deep in the context."""
+    return StepCost(fixed_s=0.001, per_decode_s=0.0001, per_token_s=1e-5, per_token_per_position_s=1e-8)
+
+
+def scheduler(max_num_seqs: int = 8, **policy) -> LatencyScheduler:
+    return LatencyScheduler(BlockManager(512, 16), max_num_seqs, 2048, 4096, cost(), LatencyPolicy(**policy))
+
+
+def seq(rid: str, n: int, deadline: float = 100.0, max_tokens: int = 64) -> Sequence:
+    return Sequence(rid, [(7 * i + sum(map(ord, rid))) % 50 for i in range(n)], SamplingParams(max_tokens=max_tokens), deadline)
+
+
+def step(sch: LatencyScheduler) -> Schedule:
+    batch = sch.schedule()
+    sch.postprocess(batch, {i: 1 for i in range(len(batch.seqs)) if batch.samples(i)})
+    return batch
+
+
+def plan(batch: Schedule) -> dict[str, int]:
+    return {s.request_id: n for s, n in zip(batch.seqs, batch.num_new_tokens)}
+
+
+def test_with_nothing_decoding_a_burst_enters_in_one_step():
+    sch = scheduler(step_budget_s=0.0)
+    for i in range(8):
+        sch.add(seq(f"s{i}", 60))
+    assert plan(step(sch)) == {f"s{i}": 60 for i in range(8)}
+
+
+def test_long_prompt_chunks_keep_each_step_within_the_allowance():
+    sch = scheduler()
+    streams = [seq(f"s{i}", 20) for i in range(4)]
+    for s in streams:
+        sch.add(s)
+    step(sch)
+    long = seq("long", 3000, deadline=200.0)
+    sch.add(long)
+    allowance = sch.allowance_s(4)
+    assert allowance == pytest.approx(1.0 * (0.001 + 4 * 0.0001))
+    chunks = []
+    while long.is_prefilling or long.num_computed_tokens < len(long) - 1 or not chunks:
+        batch = step(sch)
+        got = plan(batch)
+        assert all(got[s.request_id] == 1 for s in streams), "every stream decodes every step"
+        chunks.append((long.num_computed_tokens - got["long"], got["long"]))
+        if len(long) > 3000:
+            break
+    assert sum(n for _, n in chunks) == 3000
+    assert all(sch.cost.prefill_s([(start, n)]) <= allowance for start, n in chunks[:-1])
+    assert chunks[-1][1] <= chunks[0][1], "deep chunks are no bigger than the first"
+    assert chunks[0][1] > 16
+
+
+def test_the_budget_caps_the_allowance_when_decode_steps_are_slow():
+    sch = scheduler(step_budget_s=0.002)
+    sch.cost.per_decode_s = 0.01
+    assert sch.allowance_s(8) == pytest.approx(0.002)
+    assert sch.allowance_s(0) == float("inf")
+
+
+def test_the_most_urgent_prompt_advances_even_when_decoding_fills_the_step():
+    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=0)
+    sch.add(seq("running", 10))
+    step(sch)
+    sch.add(seq("long", 1000))
+    sch.add(seq("later", 1000, deadline=300.0))
+    assert plan(step(sch)) == {"running": 1, "long": 16}
+
+
+def test_short_prompts_enter_whole_up_to_their_floor_and_long_ones_wait_their_turn():
+    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=100)
+    sch.add(seq("running", 10))
+    step(sch)
+    for i in range(3):
+        sch.add(seq(f"short{i}", 40, deadline=50.0 + i))
+    got = plan(step(sch))
+    assert got == {"running": 1, "short0": 40, "short1": 40}
+    assert plan(step(sch)) == {"running": 1, "short0": 1, "short1": 1, "short2": 40}
+
+
+def test_an_urgent_newcomer_goes_before_a_prompt_halfway_through():
+    sch = scheduler(fixed_chunk_tokens=64)
+    long = seq("long", 500, deadline=200.0)
+    sch.add(long)
+    step(sch)
+    assert long.num_computed_tokens == 64
+    sch.add(seq("urgent", 20, deadline=10.0))
+    batch = step(sch)
+    assert [s.request_id for s in batch.seqs] == ["urgent", "long"]
+    assert batch.num_new_tokens == [20, 44]
+
+
+def test_the_batch_never_exceeds_max_num_seqs_and_the_rest_waits_in_deadline_order():
+    sch = scheduler(max_num_seqs=2)
+    for rid, deadline in (("c", 3.0), ("a", 1.0), ("b", 2.0)):
+        sch.add(seq(rid, 10, deadline=deadline))
+    assert set(plan(step(sch))) == {"a", "b"}
+    assert [s.request_id for s in sch.waiting] == ["c"]
+    assert all(s.status is Status.RUNNING for s in sch.running)
+    sch.finish(sch.running[0])
+    assert set(plan(step(sch))) == {"b", "c"}

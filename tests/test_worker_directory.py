@@ -1,0 +1,36 @@
+"""The gateway's count of requests in flight per pool, against a real Redis: its own requests
+exactly as they start and end, other gateways' from the stream's length."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from gateway.workers import WorkerDirectory
+from slogate import keys, protocol
+from slogate.protocol import Heartbeat, ModelInfo
+
+
+async def test_in_flight_counts_own_requests_at_once_and_others_from_the_stream(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 4096)],
+                   running=0, waiting=0, capacity=16)
+    await client.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb))
+    directory = WorkerDirectory(client, ["interactive", "batch"])
+    mine = [directory.own.start("interactive", 100.0 + i) for i in range(3)]
+    for _ in range(3):  # this gateway's requests, queued
+        await client.xadd(keys.queue("interactive"), {"m": b"x"})
+    for _ in range(5):  # another gateway's
+        await client.xadd(keys.queue("interactive"), {"m": b"x"})
+    await directory.refresh()
+    sig = directory.signals()
+    assert (sig["interactive"].in_flight, sig["batch"].in_flight) == (8, 0)
+    assert [w.worker_id for w in sig["interactive"].workers] == ["w1"]
+    assert sorted(sig["interactive"].own_ends) == [100.0, 101.0, 102.0]
+
+    directory.own.end("interactive", mine[0])
+    directory.own.end("interactive", mine[2])
+    directory.own.start("batch", 200.0)
+    sig = directory.signals()  # no read in between: own changes count at once
+    assert (sig["interactive"].in_flight, sig["batch"].in_flight) == (6, 1)
+    assert list(sig["interactive"].own_ends) == [101.0]
+    await client.aclose()

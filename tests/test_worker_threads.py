@@ -1,0 +1,35 @@
+"""A worker started on its own pins torch threads as ``slogate up`` would for it: threads that
+outnumber the cores spin-wait on each other."""
+
+from __future__ import annotations
+
+import pytest
+
+from slogate.cli import build_parser
+from slogate.config import load_config
+from slogate.up import shared_core_threads, worker_threads
+
+
+def test_requested_threads_win(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads(load_config(env={}), 5) == 5
+    with pytest.raises(ValueError):
+        worker_threads(load_config(env={}), 0)
+
+
+def test_the_environment_slogate_up_sets_is_kept(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker_threads(load_config(env={})) == 3
+
+
+def test_without_either_the_cores_are_shared_among_the_configs_workers(monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    cfg = load_config(env={})
+    workers = sum(p.workers for p in cfg.pools.values())
+    assert worker_threads(cfg) == shared_core_threads(cfg) == max(1, 8 // max(1, workers))
+
+
+def test_the_worker_command_takes_threads() -> None:
+    args = build_parser().parse_args(["worker", "--pool", "interactive", "--threads", "2"])
+    assert args.threads == 2
