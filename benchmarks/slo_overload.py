@@ -85,6 +85,14 @@ def met_objective(s: Sample) -> bool:
     return latency(s) <= OBJECTIVE_S
 
 
+def settled(samples: list[Sample], settle_s: float) -> list[Sample]:
+    """The samples sent after the first ``settle_s`` seconds of a point."""
+    if not samples or settle_s <= 0:
+        return samples
+    first = min(s.started for s in samples)
+    return [s for s in samples if s.started - first >= settle_s]
+
+
 def summarize(samples: list[Sample], load: float, admission: bool, duration: float) -> list[ClassResult]:
     out = []
     for cls in ("interactive", "batch"):
@@ -148,6 +156,8 @@ def main() -> None:
     parser.add_argument("--capacity", type=float, help="skip calibration and use this C (req/s)")
     parser.add_argument("--name", default="slo_overload", help="results file stem")
     parser.add_argument("--admission", choices=["both", "on", "off"], default="both")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="leave the first seconds of each point out of the statistics (a cold start)")
     args = parser.parse_args()
 
     loads = [float(x) for x in args.loads.split(",")]
@@ -166,7 +176,7 @@ def main() -> None:
                         samples = uvloop.run(run_point(stack.url, workload, load * capacity, args.duration))
                     finally:
                         stack.stop()
-                    rows = summarize(samples, load, admission, args.duration)
+                    rows = summarize(settled(samples, args.settle), load, admission, args.duration - args.settle)
                     results += rows
                     i = rows[0]
                     print(f"load {load:>4}C admission {'on ' if admission else 'off'}: interactive "
@@ -183,7 +193,10 @@ def main() -> None:
     header = (f"# SLO under overload ({args.engine} engines)\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
               f"C = {capacity:.1f} req/s of the risk mix; open-loop Poisson arrivals, {args.duration:.0f} s "
               f"per point; objective {OBJECTIVE_S * 1000:.0f} ms P99 (TTFT when streamed); batch goodput = "
-              f"completed reports.\n\n")
+              f"completed reports."
+              + (f" Statistics leave out the first {args.settle:g} s of each point (a cold start: the "
+                 f"gateway has learned nothing about the pools yet)." if args.settle > 0 else "")
+              + "\n\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(header + table + "\n")
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
