@@ -1,10 +1,10 @@
 """Latency prediction for one request on one pool, from live load and learned costs.
 
 The model is deliberately small: a pool is ``sum(capacity)`` slots of continuous batching
-holding the requests in flight there. A request beyond the slots waits until one frees for it;
-slots free at the pool's throughput (capacity / mean service time); then it pays prefill for its
-prompt and one decode step per token up to the point the objective measures (first token when
-streamed, last token otherwise). Each term is a number the gateway can see or learn, which is
+holding the requests in flight there. A request beyond the slots waits until one frees for it,
+which the gateway reads off when its own requests in flight should end (other gateways' free
+theirs at the pool's mean pace); then it pays prefill for its prompt and one decode step per
+token up to the point the objective measures (first token when streamed, last token otherwise). Each term is a number the gateway can see or learn, which is
 what lets a wrong prediction be traced.
 """
 
