@@ -12,7 +12,8 @@ layout (no transpose to store them), and one ``index_select`` of whole blocks (c
 rows of block_size * head_dim) gathers a group's contexts straight into the
 [seqs, kv_heads, context, head_dim] shape attention wants. Decodes fold the
 query heads that share a key-value head into the query dimension, so grouped-query attention
-never copies keys per query head.
+never copies keys per query head. Where the C++ kernel of :mod:`engines.paged.native` is
+built, decodes skip the gather altogether: it reads each sequence's blocks in place.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from engines.paged import native
 
 ATTN_IMPLEMENTATION = "slogate_paged"
 
@@ -59,6 +62,11 @@ class PagedMetadata:
     slot_mapping: torch.Tensor
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
+    decode_tables: torch.Tensor | None = None
+    """For the native kernel (``decodes`` is then empty): [decodes, blocks] int32 block
+    tables, padded, of the step's first rows (one decode token each)."""
+    decode_lengths: torch.Tensor | None = None
+    """[decodes] int32 context lengths, the new token included."""
 
 
 def paged_attention(
@@ -85,6 +93,11 @@ def paged_attention(
     q = query[0].transpose(0, 1)
     out = query.new_empty(q.shape)
     scale = scaling if scaling is not None else head_dim**-0.5
+    if meta.decode_tables is not None:
+        n = meta.decode_tables.shape[0]
+        native.paged_decode(
+            q[:n].contiguous(), k_cache, v_cache, meta.decode_tables, meta.decode_lengths, meta.block_size, scale, out[:n]
+        )
     for g in meta.decodes:
         n = g.end - g.start
         k = k_rows.index_select(0, g.gather).view(n, kv_heads, -1, head_dim)

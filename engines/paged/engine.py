@@ -43,6 +43,9 @@ class PagedOptions:
     max_num_seqs: int = 64
     max_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
+    decode_kernel: str | None = None
+    """Decode attention: ``native`` (fused C++ kernel), ``torch`` or ``auto``; None reads
+    ``SLOGATE_PAGED_KERNEL`` (default auto: native when it builds)."""
 
 
 class PagedEngine:
@@ -60,7 +63,7 @@ class PagedEngine:
         self.scheduler = Scheduler(
             self.block_manager, opts.max_num_seqs, opts.max_batched_tokens, loaded.max_context
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size)
+        self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel)
         self.capacity = opts.max_num_seqs
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []

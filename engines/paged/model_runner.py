@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from engines.paged import attention
+from engines.paged import attention, native
 from engines.paged.attention import DecodeGroup, PagedMetadata, PrefillSpan
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
@@ -56,7 +56,9 @@ class KVShape:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int, kernel: str | None = None) -> None:
+        """``kernel``: decode attention on ``native``, ``torch`` or ``auto`` (see
+        :mod:`engines.paged.native`; None reads ``SLOGATE_PAGED_KERNEL``)."""
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.model = model
@@ -70,6 +72,7 @@ class ModelRunner:
             2, shape.layers, shape.kv_heads, self.num_slots, shape.head_dim, dtype=dtype, device=self.device
         )
         self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * num_blocks
+        self.native = self.device.type == "cpu" and native.use_native(kernel)
 
     @torch.inference_mode()
     def run(self, sched: Schedule) -> tuple[list[int], torch.Tensor]:
@@ -108,9 +111,17 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             block_size=self.block_size,
             slot_mapping=self._slot_mapping(tables, [counts[i] for i in decodes + prefills], positions),
-            decodes=self._decode_groups([seqs[i] for i in decodes]),
+            decodes=[] if self.native else self._decode_groups([seqs[i] for i in decodes]),
             prefills=spans,
         )
+        if self.native and decodes:
+            width = max(len(t) for t in tables[: len(decodes)])
+            meta.decode_tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables[: len(decodes)]], dtype=torch.int32, device=self.device
+            )
+            meta.decode_lengths = torch.tensor(
+                [seqs[i].num_computed_tokens + 1 for i in decodes], dtype=torch.int32, device=self.device
+            )
         sampled = [i for i in range(len(seqs)) if sched.samples(i)]
         rows = torch.tensor([last_row[i] for i in sampled], dtype=torch.long, device=self.device)
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=self.device), positions, meta, sampled, rows)
