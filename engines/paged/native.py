@@ -69,6 +69,16 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off);
 }
 
+// Where position `start` of a sequence sits in one head's pool; the next block is prefetched.
+template <typename T, typename I>
+inline const T* block_at(const T* head, const I* table, int64_t start, int64_t len, int64_t block_size,
+                         int64_t dim) {
+  if (start + block_size < len)
+    prefetch(head + static_cast<int64_t>(table[start / block_size + 1]) * block_size * dim,
+             std::min(block_size, len - start - block_size) * dim * static_cast<int64_t>(sizeof(T)));
+  return head + static_cast<int64_t>(table[start / block_size]) * block_size * dim;
+}
+
 template <typename T, typename I, int DIM>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale,
@@ -99,11 +109,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
       scores.resize(group * len);
       for (int64_t start = 0; start < len; start += block_size) {
-        const T* block = kh + static_cast<int64_t>(table[start / block_size]) * block_size * dim;
+        const T* block = block_at(kh, table, start, len, block_size, dim);
         const int64_t stop = std::min(block_size, len - start);
-        if (start + block_size < len)
-          prefetch(kh + static_cast<int64_t>(table[start / block_size + 1]) * block_size * dim,
-                   std::min(block_size, len - start - block_size) * dim * static_cast<int64_t>(sizeof(T)));
         for (int64_t o = 0; o < stop; ++o) {
           const T* key = block + o * dim;
           for (int64_t d = 0; d < dim; ++d) row[d] = widen(key[d]);
@@ -130,11 +137,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
-        const T* block = vh + static_cast<int64_t>(table[start / block_size]) * block_size * dim;
+        const T* block = block_at(vh, table, start, len, block_size, dim);
         const int64_t stop = std::min(block_size, len - start);
-        if (start + block_size < len)
-          prefetch(vh + static_cast<int64_t>(table[start / block_size + 1]) * block_size * dim,
-                   std::min(block_size, len - start - block_size) * dim * static_cast<int64_t>(sizeof(T)));
         for (int64_t o = 0; o < stop; ++o) {
           const T* val = block + o * dim;
           for (int64_t d = 0; d < dim; ++d) row[d] = widen(val[d]);
