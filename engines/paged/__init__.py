@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from engines.paged.engine import PagedEngine, PagedOptions
-from engines.runtime.loader import load_model
+from engines.runtime.loader import load_engine
 
 __all__ = ["PagedEngine", "PagedOptions", "create"]
 
@@ -15,10 +14,4 @@ def create(model: str | None, dtype: str = "auto", device: str = "auto", **optio
     """Load ``model`` (a local directory or hub id) and build the engine; ``options`` are
     :class:`PagedOptions` fields (block_size, num_blocks or kv_cache_bytes, max_num_seqs,
     max_batched_tokens, enable_prefix_caching)."""
-    if not model:
-        raise ValueError("the paged engine needs a model (a local directory or hub id)")
-    known = {f.name for f in fields(PagedOptions)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown paged engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
-    return PagedEngine(load_model(model, dtype=dtype, device=device), PagedOptions(**options))
+    return load_engine("paged", PagedEngine, PagedOptions, model, dtype, device, options)

@@ -6,9 +6,10 @@ generation, and how long a context may be.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -74,6 +75,23 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedM
         max_context=_max_context(lm.config, tokenizer),
         eos_token_ids=_eos_ids(lm, tokenizer),
     )
+
+
+E = TypeVar("E")
+O = TypeVar("O")
+
+
+def load_engine(name: str, engine: Callable[[LoadedModel, O], E], options_type: type[O], model: str | None,
+                dtype: str, device: str, options: dict[str, Any]) -> E:
+    """Check ``options`` against the engine's options dataclass (a typo names the valid ones
+    instead of failing deep inside), then load ``model`` and build the engine."""
+    if not model:
+        raise ValueError(f"the {name} engine needs a model (a local directory or hub id)")
+    known = {f.name for f in fields(options_type)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+    return engine(load_model(model, dtype=dtype, device=device), options_type(**options))
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
-from engines.runtime.loader import load_model
+from engines.runtime.loader import load_engine
 from engines.stream.engine import StreamEngine, StreamOptions
 
 __all__ = ["StreamEngine", "StreamOptions", "create"]
@@ -16,10 +15,4 @@ def create(model: str | None, dtype: str = "auto", device: str = "auto", **optio
     :class:`StreamOptions` fields (max_batch, step_budget_ms, max_stall_ratio, min_chunk_tokens,
     short_prompt_tokens, prefill_chunk_tokens, max_step_tokens, block_size, kv_cache_bytes,
     num_blocks, enable_prefix_caching, warmup)."""
-    if not model:
-        raise ValueError("the stream engine needs a model (a local directory or hub id)")
-    known = {f.name for f in fields(StreamOptions)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown stream engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
-    return StreamEngine(load_model(model, dtype=dtype, device=device), StreamOptions(**options))
+    return load_engine("stream", StreamEngine, StreamOptions, model, dtype, device, options)
