@@ -21,6 +21,7 @@ from engines.paged.scheduler import Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.loader import LoadedModel
+from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample
 
 _SMOOTHING = 0.2
@@ -46,6 +47,9 @@ class PagedOptions:
     decode_kernel: str | None = None
     """Decode attention: ``native`` (fused C++ kernel), ``torch`` or ``auto``; None reads
     ``SLOGATE_PAGED_KERNEL`` (default auto: native when it builds)."""
+    pack_weights: bool = True
+    """On CPU, run the model's linear layers on weights packed once for oneDNN
+    (:mod:`engines.runtime.packed_linear`); off, they run as transformers ships them."""
 
 
 class PagedEngine:
@@ -63,6 +67,8 @@ class PagedEngine:
         self.scheduler = Scheduler(
             self.block_manager, opts.max_num_seqs, opts.max_batched_tokens, loaded.max_context
         )
+        if opts.pack_weights:
+            pack_linears(loaded.model, opts.max_num_seqs)
         self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel)
         self.capacity = opts.max_num_seqs
         self._live: dict[str, _Live] = {}

@@ -1,0 +1,48 @@
+"""Packed linear layers compute what ``nn.Linear`` computes, and the swap is complete."""
+
+import pytest
+import torch
+
+from engines.runtime.packed_linear import PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_nn_linear(dtype: torch.dtype, tol: float, bias: bool) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    packed = PackedLinear(linear, batch_hint=8)
+    with torch.inference_mode():
+        for shape in [(1, 96), (7, 96), (2, 5, 96), (3, 1, 96)]:
+            x = torch.randn(*shape).to(dtype)
+            want, got = linear(x), packed(x)
+            assert got.shape == want.shape and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_strided_input() -> None:
+    linear = torch.nn.Linear(16, 8)
+    packed = PackedLinear(linear, batch_hint=4)
+    x = torch.randn(16, 6).t()
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_swaps_every_linear_once() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Sequential(torch.nn.Linear(16, 4)))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        want = model(x)
+        assert pack_linears(model) == 2
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert pack_linears(model) == 0
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_leaves_unsupported_dtypes_alone() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).half())
+    assert not can_pack(model)
+    assert pack_linears(model) == 0
+    assert isinstance(model[0], torch.nn.Linear)
