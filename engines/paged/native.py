@@ -5,7 +5,10 @@ pool into contiguous tensors (``index_select``) before two matmuls; with ~60 seq
 copy was a third of a decode step. This kernel reads the pool in place instead: for each
 (sequence, key-value head), in parallel, it walks the sequence's block table, scores the
 query heads that share the key-value head, takes a float32 softmax and accumulates the values.
-bf16 and fp32 pools are read as they are and widened to float in registers.
+bf16 and fp32 pools are read as they are and widened to float in registers. Where the
+compiler targets AVX-512 and the head size is 64 or 128, each query head runs on intrinsics with
+its query and accumulators held in registers (2.0-2.5x faster than the portable loop on 64
+sequences of 330 tokens); other shapes and CPUs take the portable loop.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) into torch's extension
 cache the first time a runner asks for it. ``SLOGATE_PAGED_KERNEL`` picks the decode path:
@@ -34,6 +37,9 @@ _SOURCE = r"""
 #include <algorithm>
 #include <cstring>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -159,20 +165,104 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
+#if defined(__AVX512F__)
+// 16 floats from 16 floats, or from 16 bf16 (a bf16 is the top half of a float).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// The same computation as decode_impl on AVX-512 registers. Each query head of a key-value
+// head's group walks the context on its own: its query and accumulators then stay in DIM / 16
+// registers, and the group's later passes over the same rows hit the cache.
+template <typename T, typename I, int DIM>
+void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale,
+                   at::Tensor& out) {
+  constexpr int V = DIM / 16;
+  const int64_t n = q.size(0), heads = q.size(1);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
+  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const I* tp = tables.data_ptr<I>();
+  const I* lp = lengths.data_ptr<I>();
+  T* op = out.data_ptr<T>();
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / heads, h = (item % heads) / group;
+      const int64_t len = lp[s];
+      const I* table = tp + s * width;
+      const T* kh = kp + h * slots * DIM;
+      const T* vh = vp + h * slots * DIM;
+      const T* src = qp + item * DIM;
+      __m512 qv[V], acc[V];
+      for (int i = 0; i < V; ++i) qv[i] = _mm512_mul_ps(load16(src + 16 * i), vscale);
+      scores.resize(len);
+      float mx = -INFINITY;
+      for (int64_t start = 0; start < len; start += block_size) {
+        const T* block = block_at(kh, table, start, len, block_size, static_cast<int64_t>(DIM));
+        const int64_t stop = std::min(block_size, len - start);
+        for (int64_t o = 0; o < stop; ++o) {
+          __m512 dot = _mm512_mul_ps(qv[0], load16(block + o * DIM));
+          for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[i], load16(block + o * DIM + 16 * i), dot);
+          const float d = _mm512_reduce_add_ps(dot);
+          scores[start + o] = d;
+          mx = d > mx ? d : mx;
+        }
+      }
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < len; ++t) {
+        scores[t] = exp_nonpos(scores[t] - mx);
+        total += scores[t];
+      }
+      for (int i = 0; i < V; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t start = 0; start < len; start += block_size) {
+        const T* block = block_at(vh, table, start, len, block_size, static_cast<int64_t>(DIM));
+        const int64_t stop = std::min(block_size, len - start);
+        for (int64_t o = 0; o < stop; ++o) {
+          const __m512 p = _mm512_set1_ps(scores[start + o]);
+          for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, load16(block + o * DIM + 16 * i), acc[i]);
+        }
+      }
+      alignas(64) float buf[DIM];
+      const __m512 inv = _mm512_set1_ps(1.f / total);
+      for (int i = 0; i < V; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[i], inv));
+      T* dst = op + item * DIM;
+      for (int d = 0; d < DIM; ++d) dst[d] = static_cast<T>(buf[d]);
+    }
+  });
+}
+#endif
+
+template <typename T, typename I, int DIM>
+void decode_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
+                const at::Tensor& lengths, int64_t block_size, double scale, at::Tensor& out) {
+#if defined(__AVX512F__)
+  if constexpr (DIM != 0) return decode_avx512<T, I, DIM>(q, k, v, tables, lengths, block_size, scale, out);
+#endif
+  decode_impl<T, I, DIM>(q, k, v, tables, lengths, block_size, scale, out);
+}
+
 template <typename T>
 void dispatch_index(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables,
                     const at::Tensor& lengths, int64_t block_size, double scale, at::Tensor& out) {
   const bool i32 = tables.scalar_type() == at::kInt;
   const int64_t dim = q.size(2);
   if (dim == 64) {
-    i32 ? decode_impl<T, int32_t, 64>(q, k, v, tables, lengths, block_size, scale, out)
-        : decode_impl<T, int64_t, 64>(q, k, v, tables, lengths, block_size, scale, out);
+    i32 ? decode_dim<T, int32_t, 64>(q, k, v, tables, lengths, block_size, scale, out)
+        : decode_dim<T, int64_t, 64>(q, k, v, tables, lengths, block_size, scale, out);
   } else if (dim == 128) {
-    i32 ? decode_impl<T, int32_t, 128>(q, k, v, tables, lengths, block_size, scale, out)
-        : decode_impl<T, int64_t, 128>(q, k, v, tables, lengths, block_size, scale, out);
+    i32 ? decode_dim<T, int32_t, 128>(q, k, v, tables, lengths, block_size, scale, out)
+        : decode_dim<T, int64_t, 128>(q, k, v, tables, lengths, block_size, scale, out);
   } else {
-    i32 ? decode_impl<T, int32_t, 0>(q, k, v, tables, lengths, block_size, scale, out)
-        : decode_impl<T, int64_t, 0>(q, k, v, tables, lengths, block_size, scale, out);
+    i32 ? decode_dim<T, int32_t, 0>(q, k, v, tables, lengths, block_size, scale, out)
+        : decode_dim<T, int64_t, 0>(q, k, v, tables, lengths, block_size, scale, out);
   }
 }
 
@@ -219,7 +309,7 @@ def build() -> bool:
             from torch.utils.cpp_extension import load_inline
 
             load_inline(
-                name="slogate_paged_decode_v4",
+                name="slogate_paged_decode_v6",
                 cpp_sources=_SOURCE,
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
