@@ -12,7 +12,7 @@ run by ``--vllm-python`` (an interpreter with vLLM installed) on ``vllm_offline.
 
     python -m benchmarks.batch_engine                # tiny model, fp32
     python -m benchmarks.batch_engine --size 100m --dtype bf16 --threads 2 --sequential 4 \
-        --skip-transformers-cb --vllm-python /work/vllm-venv/bin/python [--workload reference]
+        --skip-transformers-cb --vllm-python /work/vllm-venv/bin/python --repeats 3 [--workload reference]
 
 Results are printed and written to
 ``benchmarks/results/batch_engine_<size>_<workload>_<dtype>.{md,json}``.
@@ -173,7 +173,17 @@ def run_transformers_cb(model: PreTrainedModel, jobs: list[Job]) -> Row:
     return row
 
 
-def run_vllm(python: str | None, model_dir: Path, dtype: str, jobs: list[Job], threads: int) -> Row:
+def median_row(runs: list[Row]) -> Row:
+    """The median of repeated runs, the others in its note: on a shared 2-core host one run
+    can move by 15%."""
+    row = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]
+    if len(runs) > 1:
+        row.note = f"median of {len(runs)} runs: " + ", ".join(f"{r.seconds:.1f}" for r in runs) + " s"
+    return row
+
+
+def run_vllm(python: str | None, model_dir: Path, dtype: str, jobs: list[Job], threads: int,
+             repeats: int = 1) -> Row:
     """vLLM's offline ``LLM.generate`` on the same token ids, in a subprocess under ``python``
     (vLLM needs its own torch and transformers). Its OpenMP threads are bound to the first
     ``threads`` cores with none reserved, so it computes on as many cores as the others."""
@@ -186,6 +196,7 @@ def run_vllm(python: str | None, model_dir: Path, dtype: str, jobs: list[Job], t
         "max_model_len": max(len(j.prompt_ids) + j.max_tokens for j in jobs),
         "prompts": [j.prompt_ids for j in jobs],
         "max_tokens": [j.max_tokens for j in jobs],
+        "repeats": repeats,
     }
     env = {
         **os.environ,
@@ -209,7 +220,9 @@ def run_vllm(python: str | None, model_dir: Path, dtype: str, jobs: list[Job], t
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return Row(name, 0, 0.0, note=f"failed (exit {done.returncode}): {last}"[:160])
     result = json.loads(found[-1][len(RESULT_MARK) :])
-    return Row(name, result["output_tokens"], result["seconds"], note=f"{threads} OpenMP threads, wall time only")
+    row = median_row([Row(name, result["output_tokens"], s) for s in result["seconds"]])
+    row.note = f"{threads} OpenMP threads, wall time only" + (f"; {row.note}" if row.note else "")
+    return row
 
 
 def prefix_ttft(engine: PagedEngine, seed: int, repeats: int = 5) -> tuple[float, float]:
@@ -255,6 +268,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=PagedOptions.max_num_seqs)
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of the paged engine (a fresh one each) and of vLLM; the median counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     args.requests = args.requests or (32 if args.workload == "reference" else 64)
@@ -277,10 +292,13 @@ def main() -> None:
             kv_cache_bytes=args.kv_cache_mib * 2**20,
         )
         run_paged(PagedEngine(loaded, options), jobs[:4])
-        engine = PagedEngine(loaded, options)
-        rows = [run_paged(engine, jobs)]
+        runs = []
+        for _ in range(args.repeats):
+            engine = PagedEngine(loaded, options)
+            runs.append(run_paged(engine, jobs))
+        rows = [median_row(runs)]
         rows.append(run_static(hf, jobs, args.static_batch, pad_id))
-        rows.append(run_vllm(args.vllm_python, model_dir, args.dtype, jobs, torch.get_num_threads()))
+        rows.append(run_vllm(args.vllm_python, model_dir, args.dtype, jobs, torch.get_num_threads(), args.repeats))
         if args.sequential:
             seq_jobs = jobs[: args.sequential]
             seq = run_sequential(hf, seq_jobs)

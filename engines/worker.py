@@ -323,7 +323,8 @@ class Worker:
                     job.first_token_at = job.first_token_at or now
                     job.held += out.text
                 if job.held and (job.req.stream or out.finish_reason is not None):
-                    self._write(p, job, Delta(job.held, job.offset, job.attempt))
+                    self._write(p, job, Delta(job.held, job.offset, job.attempt,
+                                              out.prompt_tokens, out.completion_tokens))
                     job.offset += len(job.held)
                     job.held = ""
                 if out.finish_reason is None:

@@ -302,7 +302,8 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     try:
         async for text, rec in _records(job, relay):
             if isinstance(rec, Delta):
-                await resp.write(chunks.text(text))
+                use = shapes.usage(rec.prompt_tokens, rec.completion_tokens) if job.parsed.continuous_usage else None
+                await resp.write(chunks.text(text, use))
                 continue
             err = _final_error(job, rec)
             if err is not None:

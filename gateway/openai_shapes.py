@@ -46,11 +46,12 @@ class ChunkWriter:
         return self._frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, use: dict[str, int] | None = None) -> bytes:
+        extra = {} if use is None else {"usage": use}
         if self.kind == "chat":
             return self._frame([{"index": 0, "delta": {"content": text}, "logprobs": None,
-                                 "finish_reason": None}])
-        return self._frame([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+                                 "finish_reason": None}], **extra)
+        return self._frame([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}], **extra)
 
     def finish(self, finish_reason: str) -> bytes:
         if self.kind == "chat":

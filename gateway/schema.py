@@ -33,6 +33,8 @@ class Message(msgspec.Struct):
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: usage (tokens so far) on every chunk, not only after the last."""
 
 
 class _Common(msgspec.Struct):
@@ -79,6 +81,9 @@ class ParsedRequest:
     max_tokens_given: bool
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    continuous_usage: bool = False
+    """Usage on every streamed chunk (``stream_options.continuous_usage_stats`` with
+    ``include_usage``)."""
 
     @property
     def prompt_chars(self) -> int:
@@ -165,6 +170,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
         sampling=sampling, max_tokens_given=max_tokens is not None)
+    parsed.continuous_usage = parsed.include_usage and raw.stream_options.continuous_usage_stats
     if isinstance(raw, ChatBody):
         parsed.messages = _messages(raw.messages)
     else:

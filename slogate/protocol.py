@@ -71,6 +71,10 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     text: str
     offset: int
     attempt: int = 1
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    """Tokens sampled when ``text`` was sent, so a client can see how many each chunk carries
+    (a token inside a UTF-8 character or a held stop string adds no text of its own)."""
     v: int = VERSION
 
 

@@ -7,8 +7,9 @@ copy was a third of a decode step. This kernel reads the pool in place instead: 
 query heads that share the key-value head, takes a float32 softmax and accumulates the values.
 bf16 and fp32 pools are read as they are and widened to float in registers. Where the
 compiler targets AVX-512 and the head size is 64 or 128, each query head runs on intrinsics with
-its query and accumulators held in registers (2.0-2.5x faster than the portable loop on 64
-sequences of 330 tokens); other shapes and CPUs take the portable loop.
+its query and accumulators held in registers, and bf16 rows are widened without shuffles (on 64
+sequences of 330 tokens, bf16, 2 threads: 1.0 ms against 4.2 ms for the portable loop); other
+shapes and CPUs take the portable loop.
 
 It is built with ``torch.utils.cpp_extension.load_inline`` (gcc, ninja) into torch's extension
 cache the first time a runner asks for it. ``SLOGATE_PAGED_KERNEL`` picks the decode path:
@@ -166,11 +167,36 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 }
 
 #if defined(__AVX512F__)
-// 16 floats from 16 floats, or from 16 bf16 (a bf16 is the top half of a float).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+// A row of DIM values as DIM / 16 float registers. bf16 rows are split without shuffles: a
+// bf16 is the top half of a float, so shifting each 32-bit lane left by 16 gives the even
+// elements and masking off its low half the odd ones. Dot products do not care about the
+// order, and a query and the rows it meets are split alike; store_row puts it back.
+template <int DIM>
+inline void load_row(const float* p, __m512* out) {
+  for (int i = 0; i < DIM / 16; ++i) out[i] = _mm512_loadu_ps(p + 16 * i);
+}
+template <int DIM>
+inline void load_row(const c10::BFloat16* p, __m512* out) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int j = 0; j < DIM / 32; ++j) {
+    const __m512i raw = _mm512_loadu_si512(p + 32 * j);
+    out[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    out[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+  }
+}
+template <int DIM>
+inline void store_row(const __m512* acc, __m512 scale, float* dst) {
+  for (int i = 0; i < DIM / 16; ++i) _mm512_storeu_ps(dst + 16 * i, _mm512_mul_ps(acc[i], scale));
+}
+template <int DIM>
+inline void store_row(const __m512* acc, __m512 scale, c10::BFloat16* dst) {
+  alignas(64) float buf[DIM];
+  for (int i = 0; i < DIM / 16; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[i], scale));
+  for (int j = 0; j < DIM / 32; ++j)
+    for (int i = 0; i < 16; ++i) {
+      dst[32 * j + 2 * i] = static_cast<c10::BFloat16>(buf[32 * j + i]);
+      dst[32 * j + 2 * i + 1] = static_cast<c10::BFloat16>(buf[32 * j + 16 + i]);
+    }
 }
 
 // The same computation as decode_impl on AVX-512 registers. Each query head of a key-value
@@ -201,15 +227,18 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       const T* vh = vp + h * slots * DIM;
       const T* src = qp + item * DIM;
       __m512 qv[V], acc[V];
-      for (int i = 0; i < V; ++i) qv[i] = _mm512_mul_ps(load16(src + 16 * i), vscale);
+      load_row<DIM>(src, qv);
+      for (int i = 0; i < V; ++i) qv[i] = _mm512_mul_ps(qv[i], vscale);
       scores.resize(len);
       float mx = -INFINITY;
       for (int64_t start = 0; start < len; start += block_size) {
         const T* block = block_at(kh, table, start, len, block_size, static_cast<int64_t>(DIM));
         const int64_t stop = std::min(block_size, len - start);
         for (int64_t o = 0; o < stop; ++o) {
-          __m512 dot = _mm512_mul_ps(qv[0], load16(block + o * DIM));
-          for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[i], load16(block + o * DIM + 16 * i), dot);
+          __m512 row[V];
+          load_row<DIM>(block + o * DIM, row);
+          __m512 dot = _mm512_mul_ps(qv[0], row[0]);
+          for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[i], row[i], dot);
           const float d = _mm512_reduce_add_ps(dot);
           scores[start + o] = d;
           mx = d > mx ? d : mx;
@@ -226,15 +255,13 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         const T* block = block_at(vh, table, start, len, block_size, static_cast<int64_t>(DIM));
         const int64_t stop = std::min(block_size, len - start);
         for (int64_t o = 0; o < stop; ++o) {
+          __m512 row[V];
+          load_row<DIM>(block + o * DIM, row);
           const __m512 p = _mm512_set1_ps(scores[start + o]);
-          for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, load16(block + o * DIM + 16 * i), acc[i]);
+          for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, row[i], acc[i]);
         }
       }
-      alignas(64) float buf[DIM];
-      const __m512 inv = _mm512_set1_ps(1.f / total);
-      for (int i = 0; i < V; ++i) _mm512_store_ps(buf + 16 * i, _mm512_mul_ps(acc[i], inv));
-      T* dst = op + item * DIM;
-      for (int d = 0; d < DIM; ++d) dst[d] = static_cast<T>(buf[d]);
+      store_row<DIM>(acc, _mm512_set1_ps(1.f / total), op + item * DIM);
     }
   });
 }
@@ -309,7 +336,7 @@ def build() -> bool:
             from torch.utils.cpp_extension import load_inline
 
             load_inline(
-                name="slogate_paged_decode_v6",
+                name="slogate_paged_decode_v8",
                 cpp_sources=_SOURCE,
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

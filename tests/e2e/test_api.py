@@ -66,6 +66,20 @@ async def test_chat_streamed_matches_non_streamed(stack: Stack) -> None:
     assert len(content_chunks) == 6
 
 
+async def test_continuous_usage_counts_each_chunks_tokens(stack: Stack) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions", json=body) as r:
+        events = await sse_events(r)
+    content = [e for e in events if isinstance(e, dict) and e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert [c["usage"]["completion_tokens"] for c in content] == [1, 2, 3, 4, 5, 6]
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in content)
+    body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions", json=body) as r:
+        events = await sse_events(r)
+    assert not any("usage" in e for e in events if isinstance(e, dict))
+
+
 async def test_completions_streamed_and_not(stack: Stack) -> None:
     body = {"model": MODEL, "prompt": "the risk of", "max_tokens": 4}
     async with aiohttp.ClientSession() as s:

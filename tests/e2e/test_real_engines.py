@@ -41,12 +41,20 @@ def test_streamed_chunks_arrive_one_token_at_a_time(engines_stack) -> None:
     full = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0)
     chunks = list(client.chat.completions.create(
         model=model, messages=PROMPT, max_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_headers={"x-slogate-class": "interactive"}))
-    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_headers={"x-slogate-class": "interactive"}))
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    texts = [c.choices[0].delta.content for c in content]
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 12 == full.usage.completion_tokens
     assert "".join(texts) == full.choices[0].message.content
-    # One chunk per token, except where a token ends mid-character (held until it is whole).
+    # One chunk per token, except where a token ends mid-character (held until it is whole):
+    # each chunk's running usage says how many tokens it carries.
+    counts = [c.usage.completion_tokens for c in content]
+    carried = [b - a for a, b in zip([0] + counts, counts)]
+    assert counts[-1] == 12 and all(n >= 1 for n in carried)
+    for text, n in zip(texts, carried):
+        assert n == 1 or not text.isascii(), (text, n)
     assert len(texts) >= usage.completion_tokens - 3
 
 
