@@ -36,7 +36,8 @@ does). Run::
     python -m benchmarks.stream_engine                  # tiny model, about a minute on 2 cores
     python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --long-repeats 0
 
-Results are printed and written to ``benchmarks/results/stream_engine_<size>[_threads<N>].{md,json}``.
+Results are printed and written to
+``benchmarks/results/stream_engine_<size>[_bf16][_threads<N>][_burst].{md,json}``.
 Everything (load generator, gateway, Redis, both workers) shares this machine, so each
 scenario also records the CPU seconds every process spent and the load average.
 """
@@ -349,8 +350,8 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     then the long-prompt scenario."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
-        "stream": stream.create(str(model_dir), dtype="fp32", max_batch=args.max_batch),
-        "paged": paged.create(str(model_dir), dtype="fp32"),
+        "stream": stream.create(str(model_dir), dtype=args.dtype, max_batch=args.max_batch),
+        "paged": paged.create(str(model_dir), dtype=args.dtype),
     }
     fit = warmup_fit(engines["stream"])
     meter = CpuMeter({})
@@ -539,7 +540,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
     top = max(args.levels)
     sizes = "-".join(str(n) for n in sorted(set(long_tokens)))
     return "\n".join([
-        f"# Stream engine benchmark ({args.size} model, fp32, CPU)",
+        f"# Stream engine benchmark ({args.size} model, {args.dtype}, CPU)",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
@@ -646,6 +647,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "100m"])
     parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
     parser.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
     parser.add_argument("--max-tokens", type=int, default=32,
@@ -680,12 +682,13 @@ def main() -> None:
             in_process, engine_prefill, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
             rows += in_process
         if not args.skip_transformers:
-            rows += run_transformers(model_dir, tokenizer, prompts)
+            rows += run_transformers(model_dir, tokenizer, prompts, args.dtype)
 
     text = render(args, rows, gateway_prefill, engine_prefill, fits, long_tokens, threads)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = f"stream_engine_{args.size}" + (f"_threads{args.threads}" if args.threads else "")
+    name = f"stream_engine_{args.size}" + (f"_{args.dtype}" if args.dtype != "fp32" else "")
+    name += f"_threads{args.threads}" if args.threads else ""
     name += "_burst" if args.arrivals == "burst" else ""
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -706,8 +709,9 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         stack = Stack(redis.url, {**env, "OMP_NUM_THREADS": str(threads)})
         try:
             stack.gateway()
-            workers = {"stream": stack.worker("interactive", "stream", 'dtype="fp32"', f"max_batch={args.max_batch}"),
-                       "paged": stack.worker("batch", "paged", 'dtype="fp32"')}
+            dtype = f'dtype="{args.dtype}"'
+            workers = {"stream": stack.worker("interactive", "stream", dtype, f"max_batch={args.max_batch}"),
+                       "paged": stack.worker("batch", "paged", dtype)}
             stack.wait_models(model, pools=2, timeout=300)
             fit = worker_fit(redis.url, POOLS["stream"])
             for engine, pool in POOLS.items():
@@ -732,8 +736,10 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     return rows, prefill, fit
 
 
-def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: Prompts) -> list[dict[str, Any]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: Prompts,
+                     dtype: str) -> list[dict[str, Any]]:
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
     model.generation_config.eos_token_id = None
     meter = CpuMeter({})
     hf_closed_loop(model, tokenizer, prompts.warmup)

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterable
@@ -448,10 +449,18 @@ class Worker:
         await self._accept(entries, attempts)
 
 
+GIL_SWITCH_INTERVAL_S = 0.001
+"""The engine steps in a thread while this loop reads requests and writes tokens. A step of
+a small model is mostly Python holding the GIL, and by default the loop waits up to 5 ms for
+it each time; at 1 ms a new request or a finished token waits less (stream benchmark, tiny
+model, 16 streams through the gateway: TTFT P99 32 and 52 ms against 73 and 61 ms at 5 ms)."""
+
+
 async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30.0,
                      metrics_port: int = 0) -> None:
     """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
     tracing.setup("slogate-worker")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     redis = aioredis.Redis.from_url(cfg.redis_url or "redis://127.0.0.1:6379/0", max_connections=16,
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(
