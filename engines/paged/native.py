@@ -86,52 +86,66 @@ inline const T* block_at(const T* head, const I* table, int64_t start, int64_t l
   return head + static_cast<int64_t>(table[start / block_size]) * block_size * dim;
 }
 
+// Calls fn(position, row) for each of a sequence's first len positions in one head's pool,
+// block by block through its table.
+template <typename T, typename I, typename F>
+inline void for_each_row(const T* head, const I* table, int64_t len, int64_t block_size, int64_t dim, F&& fn) {
+  for (int64_t start = 0; start < len; start += block_size) {
+    const T* block = block_at(head, table, start, len, block_size, dim);
+    const int64_t stop = std::min(block_size, len - start);
+    for (int64_t o = 0; o < stop; ++o) fn(start + o, block + o * dim);
+  }
+}
+
+// The tensors of one call as raw pointers and sizes, shared by both implementations.
+template <typename T, typename I>
+struct Args {
+  int64_t n, heads, kv_heads, slots, group, width;
+  const T *qp, *kp, *vp;
+  const I *tp, *lp;
+  T* op;
+  Args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+       const at::Tensor& lengths, at::Tensor& out)
+      : n(q.size(0)), heads(q.size(1)), kv_heads(k_cache.size(0)), slots(k_cache.size(1)),
+        group(q.size(1) / k_cache.size(0)), width(tables.size(1)), qp(q.data_ptr<T>()),
+        kp(k_cache.data_ptr<T>()), vp(v_cache.data_ptr<T>()), tp(tables.data_ptr<I>()),
+        lp(lengths.data_ptr<I>()), op(out.data_ptr<T>()) {}
+};
+
 template <typename T, typename I, int DIM>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale,
                  at::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), dim = DIM ? DIM : q.size(2);
-  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const I* tp = tables.data_ptr<I>();
-  const I* lp = lengths.data_ptr<I>();
-  T* op = out.data_ptr<T>();
+  const Args<T, I> a(q, k_cache, v_cache, tables, lengths, out);
+  const int64_t dim = DIM ? DIM : q.size(2);
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), row(dim), scores, mx(group), sum(group);
+  at::parallel_for(0, a.n * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(a.group * dim), acc(a.group * dim), row(dim), scores, mx(a.group), sum(a.group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lp[s];
-      const I* table = tp + s * width;
-      const T* kh = kp + h * slots * dim;
-      const T* vh = vp + h * slots * dim;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + (s * heads + h * group + g) * dim;
+      const int64_t s = item / a.kv_heads, h = item % a.kv_heads;
+      const int64_t len = a.lp[s];
+      const I* table = a.tp + s * a.width;
+      const T* kh = a.kp + h * a.slots * dim;
+      const T* vh = a.vp + h * a.slots * dim;
+      for (int64_t g = 0; g < a.group; ++g) {
+        const T* src = a.qp + (s * a.heads + h * a.group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = widen(src[d]) * fscale;
         mx[g] = -INFINITY;
         sum[g] = 0.f;
       }
-      scores.resize(group * len);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const T* block = block_at(kh, table, start, len, block_size, dim);
-        const int64_t stop = std::min(block_size, len - start);
-        for (int64_t o = 0; o < stop; ++o) {
-          const T* key = block + o * dim;
-          for (int64_t d = 0; d < dim; ++d) row[d] = widen(key[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * dim;
-            float dot = 0.f;
+      scores.resize(a.group * len);
+      for_each_row(kh, table, len, block_size, dim, [&](int64_t t, const T* key) {
+        for (int64_t d = 0; d < dim; ++d) row[d] = widen(key[d]);
+        for (int64_t g = 0; g < a.group; ++g) {
+          const float* qg = qf.data() + g * dim;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
-            scores[g * len + start + o] = dot;
-            mx[g] = dot > mx[g] ? dot : mx[g];
-          }
+          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * row[d];
+          scores[g * len + t] = dot;
+          mx[g] = dot > mx[g] ? dot : mx[g];
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
+      });
+      for (int64_t g = 0; g < a.group; ++g) {
         float* sg = scores.data() + g * len;
         const float m = mx[g];
         float total = 0.f;
@@ -143,22 +157,17 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         sum[g] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const T* block = block_at(vh, table, start, len, block_size, dim);
-        const int64_t stop = std::min(block_size, len - start);
-        for (int64_t o = 0; o < stop; ++o) {
-          const T* val = block + o * dim;
-          for (int64_t d = 0; d < dim; ++d) row[d] = widen(val[d]);
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + start + o];
-            float* ag = acc.data() + g * dim;
+      for_each_row(vh, table, len, block_size, dim, [&](int64_t t, const T* val) {
+        for (int64_t d = 0; d < dim; ++d) row[d] = widen(val[d]);
+        for (int64_t g = 0; g < a.group; ++g) {
+          const float p = scores[g * len + t];
+          float* ag = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
-          }
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = op + (s * heads + h * group + g) * dim;
+      });
+      for (int64_t g = 0; g < a.group; ++g) {
+        T* dst = a.op + (s * a.heads + h * a.group + g) * dim;
         const float inv = 1.f / sum[g];
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[g * dim + d] * inv);
       }
@@ -207,61 +216,46 @@ void decode_avx512(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
                    const at::Tensor& tables, const at::Tensor& lengths, int64_t block_size, double scale,
                    at::Tensor& out) {
   constexpr int V = DIM / 16;
-  const int64_t n = q.size(0), heads = q.size(1);
-  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const I* tp = tables.data_ptr<I>();
-  const I* lp = lengths.data_ptr<I>();
-  T* op = out.data_ptr<T>();
+  const Args<T, I> a(q, k_cache, v_cache, tables, lengths, out);
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.n * a.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / heads, h = (item % heads) / group;
-      const int64_t len = lp[s];
-      const I* table = tp + s * width;
-      const T* kh = kp + h * slots * DIM;
-      const T* vh = vp + h * slots * DIM;
-      const T* src = qp + item * DIM;
+      const int64_t s = item / a.heads, h = (item % a.heads) / a.group;
+      const int64_t len = a.lp[s];
+      const I* table = a.tp + s * a.width;
+      const T* kh = a.kp + h * a.slots * DIM;
+      const T* vh = a.vp + h * a.slots * DIM;
+      const T* src = a.qp + item * DIM;
       __m512 qv[V], acc[V];
       load_row<DIM>(src, qv);
       for (int i = 0; i < V; ++i) qv[i] = _mm512_mul_ps(qv[i], vscale);
       scores.resize(len);
+      float* sc = scores.data();
+      for_each_row(kh, table, len, block_size, DIM, [&](int64_t t, const T* key) {
+        __m512 row[V];
+        load_row<DIM>(key, row);
+        __m512 dot = _mm512_mul_ps(qv[0], row[0]);
+        for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[i], row[i], dot);
+        sc[t] = _mm512_reduce_add_ps(dot);
+      });
       float mx = -INFINITY;
-      for (int64_t start = 0; start < len; start += block_size) {
-        const T* block = block_at(kh, table, start, len, block_size, static_cast<int64_t>(DIM));
-        const int64_t stop = std::min(block_size, len - start);
-        for (int64_t o = 0; o < stop; ++o) {
-          __m512 row[V];
-          load_row<DIM>(block + o * DIM, row);
-          __m512 dot = _mm512_mul_ps(qv[0], row[0]);
-          for (int i = 1; i < V; ++i) dot = _mm512_fmadd_ps(qv[i], row[i], dot);
-          const float d = _mm512_reduce_add_ps(dot);
-          scores[start + o] = d;
-          mx = d > mx ? d : mx;
-        }
-      }
+#pragma omp simd reduction(max : mx)
+      for (int64_t t = 0; t < len; ++t) mx = sc[t] > mx ? sc[t] : mx;
       float total = 0.f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < len; ++t) {
-        scores[t] = exp_nonpos(scores[t] - mx);
-        total += scores[t];
+        sc[t] = exp_nonpos(sc[t] - mx);
+        total += sc[t];
       }
       for (int i = 0; i < V; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t start = 0; start < len; start += block_size) {
-        const T* block = block_at(vh, table, start, len, block_size, static_cast<int64_t>(DIM));
-        const int64_t stop = std::min(block_size, len - start);
-        for (int64_t o = 0; o < stop; ++o) {
-          __m512 row[V];
-          load_row<DIM>(block + o * DIM, row);
-          const __m512 p = _mm512_set1_ps(scores[start + o]);
-          for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, row[i], acc[i]);
-        }
-      }
-      store_row<DIM>(acc, _mm512_set1_ps(1.f / total), op + item * DIM);
+      for_each_row(vh, table, len, block_size, DIM, [&](int64_t t, const T* val) {
+        __m512 row[V];
+        load_row<DIM>(val, row);
+        const __m512 p = _mm512_set1_ps(sc[t]);
+        for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(p, row[i], acc[i]);
+      });
+      store_row<DIM>(acc, _mm512_set1_ps(1.f / total), a.op + item * DIM);
     }
   });
 }
@@ -336,7 +330,7 @@ def build() -> bool:
             from torch.utils.cpp_extension import load_inline
 
             load_inline(
-                name="slogate_paged_decode_v8",
+                name="slogate_paged_decode_v11",
                 cpp_sources=_SOURCE,
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
