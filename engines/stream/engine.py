@@ -44,6 +44,8 @@ class StreamOptions:
     """Upper bound of the KV pool; it holds at most ``max_batch`` full contexts."""
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    pack_weights: bool = True
+    """As for the paged engine (:class:`engines.paged.PagedOptions`)."""
     warmup: bool = True
 
 
@@ -62,6 +64,7 @@ class StreamEngine(PagedEngine):
             max_num_seqs=opts.max_batch,
             max_batched_tokens=max(opts.max_step_tokens, opts.max_batch),
             enable_prefix_caching=opts.enable_prefix_caching,
+            pack_weights=opts.pack_weights,
         ))
         self.policy = LatencyPolicy(opts.step_budget_ms / 1000.0, opts.max_stall_ratio, opts.min_chunk_tokens,
                                     opts.short_prompt_tokens, opts.prefill_chunk_tokens)

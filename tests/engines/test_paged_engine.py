@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engines.base import EngineRequest, StepOutput
 from engines.paged import PagedEngine, create
+from engines.runtime.packed_linear import PackedLinear
+from engines.stream import create as stream_create
 from slogate.protocol import SamplingParams
 
 MAX_TOKENS = 24
@@ -82,6 +84,7 @@ CONFIGS = {
     "chunked_prefill": {"max_batched_tokens": 32, "max_num_seqs": 8},
     "preempted": {"block_size": 8, "num_blocks": 28},
     "preempted_without_prefix_cache": {"block_size": 8, "num_blocks": 28, "enable_prefix_caching": False},
+    "linear_layers_as_transformers_ships_them": {"pack_weights": False},
 }
 
 
@@ -234,6 +237,16 @@ def test_seeded_sampling_is_reproducible_in_a_batch(tiny_model_dir: Path) -> Non
             engine.add_request(_request(f"c{i}", PROMPTS[i], SamplingParams(max_tokens=12, temperature=1.0)))
         runs.append(_tokens(_drain(engine))["s"])
     assert runs[0] == runs[1]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("engine", ["paged", "stream"])
+def test_weights_are_packed_unless_asked_not_to(tiny_model_dir: Path, engine: str) -> None:
+    make = create if engine == "paged" else stream_create
+    for pack in (True, False):
+        built = make(str(tiny_model_dir), dtype="fp32", device="cpu", num_blocks=64, pack_weights=pack)
+        kinds = {type(m) for m in built.loaded.model.modules()}
+        assert (PackedLinear in kinds) is pack and (torch.nn.Linear in kinds) is not pack
 
 
 def test_create_names_unknown_options(tiny_model_dir: Path) -> None:
