@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engines.runtime.packed_linear import PackedLinear, can_pack, pack_linears
+from engines.runtime.packed_linear import PackedLinear, can_pack, pack_linears, padded_rows
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -46,3 +46,22 @@ def test_leaves_unsupported_dtypes_alone() -> None:
     assert not can_pack(model)
     assert pack_linears(model) == 0
     assert isinstance(model[0], torch.nn.Linear)
+
+
+def test_row_padding_bounds_shapes_and_waste() -> None:
+    sizes = [padded_rows(m) for m in range(1, 2049)]
+    assert sizes[:16] == list(range(1, 17))
+    assert all(p >= m and (p - m) / p < 1 / 8 for m, p in zip(range(1, 2049), sizes))
+    assert len(set(sizes)) <= 80
+    assert sizes == sorted(sizes)
+
+
+def test_padded_rows_leave_the_output_unchanged() -> None:
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(32, 24)
+    packed = PackedLinear(linear, batch_hint=16)
+    with torch.inference_mode():
+        for m in (17, 33, 100, 257):
+            assert padded_rows(m) != m
+            x = torch.randn(1, m, 32)
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
