@@ -453,7 +453,8 @@ GIL_SWITCH_INTERVAL_S = 0.001
 """The engine steps in a thread while this loop reads requests and writes tokens. A step of
 a small model is mostly Python holding the GIL, and by default the loop waits up to 5 ms for
 it each time; at 1 ms a new request or a finished token waits less (stream benchmark, tiny
-model, 16 streams through the gateway: TTFT P99 32 and 52 ms against 73 and 61 ms at 5 ms)."""
+model, 16 streams through the gateway, two runs each: TTFT P99 32 and 52 ms against 73 and
+61 ms at 5 ms)."""
 
 
 async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30.0,

@@ -169,8 +169,9 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
-        sampling=sampling, max_tokens_given=max_tokens is not None)
-    parsed.continuous_usage = parsed.include_usage and raw.stream_options.continuous_usage_stats
+        sampling=sampling, max_tokens_given=max_tokens is not None,
+        continuous_usage=bool(raw.stream_options and raw.stream_options.include_usage
+                              and raw.stream_options.continuous_usage_stats))
     if isinstance(raw, ChatBody):
         parsed.messages = _messages(raw.messages)
     else:
