@@ -17,10 +17,10 @@ Contenders, all on the same requests (distinct random-token prompts of 16-64 tok
 
 Arrivals are staggered by default, as independent users' are: each request's ``max_tokens`` is
 drawn (seeded) between half and 1.5x ``--max-tokens``, and each client starts at a seeded
-random offset within ``--stagger-ms``, so streams do not finish, and their successors do not
-arrive, in the same step. ``--arrivals burst`` gives every request the same ``max_tokens`` and
-starts all clients at once: every round then arrives as one burst of prefills, the worst case
-for TTFT rather than a typical one.
+random offset within one request's lifetime (or ``--stagger-ms``), so streams do not finish,
+and their successors do not arrive, in the same step. ``--arrivals burst`` gives every request
+the same ``max_tokens`` and starts all clients at once: every round then arrives as one burst
+of prefills, the worst case for TTFT rather than a typical one.
 
 A client sees text chunks, not tokens: a token that is part of a UTF-8 character carries no
 text, so one chunk gap can span several engine steps. The gateway rows ask for running usage
@@ -34,7 +34,7 @@ against their median gap, with the same 8 streams alone as the control (what the
 does). Run::
 
     python -m benchmarks.stream_engine                  # tiny model, about a minute on 2 cores
-    python -m benchmarks.stream_engine --size 100m --rounds 1 --max-tokens 16 --long-repeats 0
+    python -m benchmarks.stream_engine --size 100m --dtype bf16 --threads 2 --rounds 2 --max-tokens 16 --long-repeats 1
 
 Results are printed and written to
 ``benchmarks/results/stream_engine_<size>[_bf16][_threads<N>][_burst].{md,json}``.
@@ -359,9 +359,11 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     prefill = []
     for name, engine in engines.items():
         engine_closed_loop(engine, prompts.warmup)
+        spread = Spread(args.stagger_ms)
         for level, batch in prompts.levels.items():
-            traces, cpu = meter.measure(lambda: engine_closed_loop(engine, batch))
-            rows.append(latency_row(f"{name} engine, in process", level, traces, cpu))
+            traces, cpu = meter.measure(lambda: engine_closed_loop(engine, spread.level(batch)))
+            rows.append(latency_row(f"{name} engine, in process", level, traces, cpu, spread.seconds))
+            spread.learn(traces)
             print(json.dumps(rows[-1]), flush=True)
         for repeat, (control, beside, long) in enumerate(prompts.long, 1):
             for shorts, big in ((control, None), (beside, long)):
@@ -431,13 +433,15 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, level: Level)
 # -- report -------------------------------------------------------------------------------
 
 
-def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, float]) -> dict[str, Any]:
+def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, float],
+                spread_s: float | None) -> dict[str, Any]:
     ok = [t for t in traces if t.status == 200 and t.chunks]
     ttfts = [t.ttft for t in ok]
     chunk_gaps = [g for t in ok for g in gaps(t.chunks)]
     token_gaps = [b - a for t in ok for a, b in t.token_pairs()]
     return {
         "contender": name, "streams": streams, "requests": len(traces), "errors": len(traces) - len(ok),
+        "start_spread_ms": (spread_s or 0.0) * 1000 if streams > 1 else None,
         "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p99_ms": percentile(ttfts, 99) * 1000,
         "chunk_gap_p50_ms": percentile(chunk_gaps, 50) * 1000, "chunk_gap_p99_ms": percentile(chunk_gaps, 99) * 1000,
         "token_gap_p50_ms": percentile(token_gaps, 50) * 1000 if token_gaps else None,
@@ -491,6 +495,10 @@ def _ms(seconds: float | None) -> float | str:
     return seconds * 1000 if seconds is not None else "-"
 
 
+def _ms_or_dash(ms: float | None) -> float | str:
+    return ms if ms is not None else "-"
+
+
 def _ratio(worst: float, median: float) -> str:
     return f"{worst / median:.2f}x"
 
@@ -501,19 +509,22 @@ def arrivals_text(args: argparse.Namespace) -> str:
                 f"streams finish in the same step and each round arrives as one burst of prefills: the worst "
                 f"case for TTFT).")
     low, high = max_tokens_range(args.max_tokens)
+    spread = (f"within {args.stagger_ms:g} ms" if args.stagger_ms is not None else
+              "within one request's lifetime (the mean time from sending a request to its last chunk, measured "
+              "for that contender at the lowest level; column 'starts within')")
     return (f"Arrivals: staggered (max_tokens drawn per request, uniform {low}-{high}; each client starts at a "
-            f"random offset within {args.stagger_ms:g} ms; seeded), so streams do not move in lockstep, as "
-            f"independent users' do not. `--arrivals burst` gives the lockstep worst case.")
+            f"random offset {spread}; seeded), so streams do not move in lockstep, as independent users' do "
+            f"not. `--arrivals burst` gives the lockstep worst case.")
 
 
 def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill: list[dict[str, Any]],
            engine_prefill: list[dict[str, Any]], fits: dict[str, dict[str, float]], long_tokens: list[int],
            threads: int) -> str:
     latency = markdown_table(
-        ["contender", "streams", "requests", "errors", "TTFT P50 ms", "TTFT P99 ms", "chunk gap P50 ms",
+        ["contender", "streams", "requests", "starts within ms", "errors", "TTFT P50 ms", "TTFT P99 ms", "chunk gap P50 ms",
          "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms", "chunks/stream", "tokens/stream", "wall s",
          "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client", "load 1m"],
-        [[r["contender"], r["streams"], r["requests"], r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
+        [[r["contender"], r["streams"], r["requests"], _ms_or_dash(r["start_spread_ms"]), r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
           r["chunk_gap_p50_ms"], r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
           r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"], r["cpu_s"].get("gateway", "-"),
           r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"], r["loadavg_1m"]]
@@ -544,7 +555,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
-        f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client. {arrivals_text(args)} "
+        f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client and at least "
+        f"{args.min_requests} per level. {arrivals_text(args)} "
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s); they see text chunks (a token that is part of a UTF-8 character "
         f"carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
@@ -592,7 +604,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
 @dataclass
 class Level:
     """One load level: the requests ``(prompt, max_tokens)`` and each client's start, in
-    seconds after the level begins."""
+    seconds after the level begins (as fractions of the spread until :meth:`spread_over`)."""
 
     requests: list[tuple[str, int]]
     offsets: list[float]
@@ -602,6 +614,27 @@ class Level:
         and the level keeps its concurrency."""
         n = len(self.offsets)
         return [self.requests[i::n] for i in range(n)]
+
+    def spread_over(self, seconds: float) -> Level:
+        return Level(self.requests, [f * seconds for f in self.offsets])
+
+
+class Spread:
+    """How far apart the clients of a level start: ``--stagger-ms`` when given, else one
+    request's lifetime (sent to last chunk) at the lowest level measured, for each contender
+    its own. Clients spread over a lifetime arrive as independent users do in steady state;
+    spread over a fixed few ms they are a burst on a model whose prefill takes longer."""
+
+    def __init__(self, fixed_ms: float | None) -> None:
+        self.seconds = fixed_ms / 1000 if fixed_ms is not None else None
+
+    def level(self, level: Level) -> Level:
+        return level.spread_over(self.seconds or 0.0)
+
+    def learn(self, traces: list[Trace]) -> None:
+        lifetimes = [t.chunks[-1] - t.sent for t in traces if t.chunks]
+        if self.seconds is None and lifetimes:
+            self.seconds = statistics.mean(lifetimes)
 
 
 @dataclass
@@ -629,12 +662,12 @@ def make_prompts(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -
         return [random_prompt(tokenizer, rng, rng.randint(16, args.prompt_tokens)) for _ in range(n)]
 
     def level(clients: int) -> Level:
-        prompts = shorts(clients * args.rounds)
+        prompts = shorts(max(clients * args.rounds, args.min_requests))
         if args.arrivals == "burst":
             return Level([(p, args.max_tokens) for p in prompts], [0.0] * clients)
         low, high = max_tokens_range(args.max_tokens)
         return Level([(p, arrivals.randint(low, high)) for p in prompts],
-                     [arrivals.uniform(0.0, args.stagger_ms / 1000) for _ in range(clients)])
+                     [arrivals.random() if clients > 1 else 0.0 for _ in range(clients)])
 
     return Prompts(
         Level([(p, 8) for p in shorts(4)], [0.0] * 4),
@@ -649,12 +682,16 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
-    parser.add_argument("--rounds", type=int, default=4, help="requests per client at each level")
+    parser.add_argument("--rounds", type=int, default=8, help="requests per client at each level")
+    parser.add_argument("--min-requests", type=int, default=32,
+                        help="requests per level at least (a level of few clients gets more rounds)")
     parser.add_argument("--max-tokens", type=int, default=32,
                         help="every request's max_tokens (burst), or the middle of their range (staggered)")
     parser.add_argument("--arrivals", choices=["staggered", "burst"], default="staggered",
                         help="staggered: varied max_tokens and client start offsets; burst: streams in lockstep")
-    parser.add_argument("--stagger-ms", type=float, default=50.0, help="the latest client start (staggered)")
+    parser.add_argument("--stagger-ms", type=float,
+                        help="the latest client start (staggered; default: one request's lifetime at the lowest "
+                             "level, for each contender)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="longest short prompt (BOS included)")
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--long-short-tokens", type=int, default=96, help="max_tokens of the 8 short streams")
@@ -682,7 +719,7 @@ def main() -> None:
             in_process, engine_prefill, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
             rows += in_process
         if not args.skip_transformers:
-            rows += run_transformers(model_dir, tokenizer, prompts, args.dtype)
+            rows += run_transformers(model_dir, tokenizer, prompts, args.dtype, args.stagger_ms)
 
     text = render(args, rows, gateway_prefill, engine_prefill, fits, long_tokens, threads)
     print(text)
@@ -718,9 +755,12 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))
                 meter = CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
                                   "redis": redis.proc.pid})
+                spread = Spread(args.stagger_ms)
                 for level, batch in prompts.levels.items():
-                    traces, cpu = meter.measure(lambda: asyncio.run(closed_loop(stack.url, model, pool, batch)))
-                    rows.append(latency_row(f"{engine} engine", level, traces, cpu))
+                    traces, cpu = meter.measure(
+                        lambda: asyncio.run(closed_loop(stack.url, model, pool, spread.level(batch))))
+                    rows.append(latency_row(f"{engine} engine", level, traces, cpu, spread.seconds))
+                    spread.learn(traces)
                     print(json.dumps(rows[-1]), flush=True)
                 for repeat, (control, beside, long) in enumerate(prompts.long, 1):
                     for shorts, big in ((control, None), (beside, long)):
@@ -737,17 +777,19 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
 
 
 def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: Prompts,
-                     dtype: str) -> list[dict[str, Any]]:
+                     dtype: str, stagger_ms: float | None) -> list[dict[str, Any]]:
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
     model.generation_config.eos_token_id = None
     meter = CpuMeter({})
     hf_closed_loop(model, tokenizer, prompts.warmup)
     rows = []
+    spread = Spread(stagger_ms)
     for level, batch in prompts.levels.items():
-        (chunks, tokens), cpu = meter.measure(lambda: hf_closed_loop(model, tokenizer, batch))
-        rows.append(latency_row("transformers TextIteratorStreamer (chunks)", level, chunks, cpu))
-        rows.append(latency_row("transformers TextIteratorStreamer (tokens)", level, tokens, cpu))
+        (chunks, tokens), cpu = meter.measure(lambda: hf_closed_loop(model, tokenizer, spread.level(batch)))
+        rows.append(latency_row("transformers TextIteratorStreamer (chunks)", level, chunks, cpu, spread.seconds))
+        rows.append(latency_row("transformers TextIteratorStreamer (tokens)", level, tokens, cpu, spread.seconds))
+        spread.learn(chunks)
         print(json.dumps(rows[-2]), flush=True)
     return rows
 
