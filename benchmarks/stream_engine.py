@@ -69,6 +69,7 @@ from engines import paged, stream
 from engines.base import Engine, EngineRequest
 from engines.runtime.tiny_model import build_tiny_model
 from slogate import keys, protocol
+from slogate.cpus import parse_cpus
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack
 from slogate.protocol import SamplingParams
@@ -558,7 +559,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client and at least "
         f"{args.min_requests} per level. {arrivals_text(args)} "
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
-        f"{threads} torch thread(s); they see text chunks (a token that is part of a UTF-8 character "
+        f"{threads} torch thread(s)"
+        f"{pinned_text(threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 character "
         f"carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
         f"a chunk whose running usage shows it carries exactly one token. 'in process' rows: the same engines "
         f"and loop with no gateway, Redis or worker, timed as outputs leave step(): token gaps are between "
@@ -700,6 +702,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int,
                         help="torch threads of the workers and the in-process engines (default: as `slogate up` "
                              "sets them, the cores shared among the two workers)")
+    parser.add_argument("--pin", action="store_true",
+                        help="gateway rows: the serving worker on CPUs of its own (the last --threads), the gateway, "
+                             "Redis and the load generator on the rest")
     parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -727,6 +732,7 @@ def main() -> None:
     name = f"stream_engine_{args.size}" + (f"_{args.dtype}" if args.dtype != "fp32" else "")
     name += f"_threads{args.threads}" if args.threads else ""
     name += "_burst" if args.arrivals == "burst" else ""
+    name += "_pinned" if args.pin else ""
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "long_prompt_tokens": long_tokens, "stream_engine_warmup_fit": fits, "rows": rows,
@@ -740,15 +746,21 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     model = model_dir.name
     rows: list[dict[str, Any]] = []
     prefill: list[dict[str, Any]] = []
+    everywhere = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
         env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)}
         stack = Stack(redis.url, {**env, "OMP_NUM_THREADS": str(threads)})
+        layout = pinned_layout(threads) if args.pin else None
         try:
-            stack.gateway()
+            stack.gateway(*(["--cpus", layout[0]] if layout else []))
             dtype = f'dtype="{args.dtype}"'
-            workers = {"stream": stack.worker("interactive", "stream", dtype, f"max_batch={args.max_batch}"),
-                       "paged": stack.worker("batch", "paged", dtype)}
+            cpus = layout[1] if layout else None
+            workers = {"stream": stack.worker("interactive", "stream", dtype, f"max_batch={args.max_batch}", cpus=cpus),
+                       "paged": stack.worker("batch", "paged", dtype, cpus=cpus)}
+            if layout:
+                for pid in (0, redis.proc.pid):
+                    os.sched_setaffinity(pid, parse_cpus(layout[0]))
             stack.wait_models(model, pools=2, timeout=300)
             fit = worker_fit(redis.url, POOLS["stream"])
             for engine, pool in POOLS.items():
@@ -773,7 +785,24 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         finally:
             stack.stop()
             redis.stop()
+            os.sched_setaffinity(0, everywhere)
     return rows, prefill, fit
+
+
+def pinned_text(threads: int) -> str:
+    rest, own = pinned_layout(threads)
+    return f", pinned (--pin): workers on CPU(s) {own}, gateway, Redis and load generator on CPU(s) {rest}"
+
+
+def pinned_layout(threads: int) -> tuple[str, str]:
+    """``--pin``: (CPUs of the gateway, Redis and this load generator; CPUs of the workers).
+    The workers get the last ``threads`` CPUs, everything else the rest, as a deployment
+    would give a latency-bound worker cores of its own. Only one worker serves at a time."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) <= threads:
+        raise SystemExit(f"--pin needs more CPUs than the workers' {threads} thread(s); this process has {len(cpus)}")
+    rest, own = cpus[:-threads], cpus[-threads:]
+    return ",".join(map(str, rest)), ",".join(map(str, own))
 
 
 def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: Prompts,

@@ -83,12 +83,6 @@ class SimEngine:
     _last_step_s: float = 0.0
 
     @property
-    def inline_step(self) -> bool:
-        """A step that costs nothing can run on the worker's loop, sparing a thread hop."""
-        t = self.timing
-        return t.prefill_s_per_token == t.decode_base_s == t.decode_s_per_seq == 0
-
-    @property
     def max_context(self) -> int:
         return self.timing.max_context
 

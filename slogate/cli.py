@@ -37,19 +37,27 @@ def _run(main: Any) -> None:
 
 def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
     from gateway.app import serve
+    from slogate.cpus import pin_to
 
+    if args.cpus:
+        pin_to(args.cpus)
     _run(serve(cfg, grace_s=args.grace))
 
 
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     from engines.registry import create_engine
     from engines.worker import run_worker
+    from slogate.cpus import pin_to
     from slogate.up import worker_threads
 
+    threads = args.threads
+    if args.cpus:
+        cpus = pin_to(args.cpus)
+        threads = len(cpus) if threads is None else threads
     pool_cfg = cfg.pools.get(args.pool)
     engine_name = args.engine or (pool_cfg.engine if pool_cfg else "sim")
     options = {**(pool_cfg.options if pool_cfg else {}), **_engine_options(args.option)}
-    engine = create_engine(engine_name, args.model or cfg.model, options, threads=worker_threads(cfg, args.threads))
+    engine = create_engine(engine_name, args.model or cfg.model, options, threads=worker_threads(cfg, threads))
     _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
 
 
@@ -106,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--port", type=int)
     gw.add_argument("--host")
     gw.add_argument("--grace", type=float, default=30.0, help="seconds open requests get on SIGTERM")
+    gw.add_argument("--cpus", help="run on these CPUs only, e.g. 0 or 0,2-3 (default: any)")
     gw.set_defaults(func=cmd_gateway)
 
     wk = sub.add_parser("worker", help="run one engine worker for a pool")
@@ -115,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
     wk.add_argument("--threads", type=int,
                     help="torch threads (default: $OMP_NUM_THREADS, else the cores shared among the config's "
-                         "workers, as `slogate up` sets them)")
+                         "workers, as `slogate up` sets them; with --cpus, one per CPU)")
+    wk.add_argument("--cpus", help="run on these CPUs only, e.g. 1 or 2-5: cores of its own keep a latency-bound "
+                                   "worker's steps from waiting on other processes (default: any)")
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)

@@ -54,8 +54,8 @@ class Stack:
         self.wait_http("/healthz")
         return proc
 
-    def worker(self, pool: str, engine: str = "sim", *options: str) -> subprocess.Popen[bytes]:
-        args = ["worker", "--pool", pool, "--engine", engine]
+    def worker(self, pool: str, engine: str = "sim", *options: str, cpus: str | None = None) -> subprocess.Popen[bytes]:
+        args = ["worker", "--pool", pool, "--engine", engine] + (["--cpus", cpus] if cpus else [])
         for opt in options:
             args += ["-o", opt]
         return self._spawn(*args)

@@ -1,0 +1,63 @@
+"""``--cpus`` pins a gateway or worker process to the CPUs it names, and says clearly what is
+wrong with a list it cannot use."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from slogate import keys
+from slogate.cpus import parse_cpus, pin_to
+from slogate.processes import ROOT
+
+
+def test_lists_and_ranges_parse_as_taskset_writes_them() -> None:
+    assert parse_cpus("0") == {0}
+    assert parse_cpus("0,2-3") == {0, 2, 3}
+    assert parse_cpus(" 1 , 4-4 ") == {1, 4}
+
+
+@pytest.mark.parametrize("spec, named", [("a", "'a'"), ("1,", "''"), ("3-1", "'3-1'"), ("-2", "'-2'")])
+def test_a_malformed_list_names_the_bad_part(spec: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        parse_cpus(spec)
+
+
+def test_cpus_the_machine_lacks_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"cannot run on CPU\(s\) \[4095\]"):
+        pin_to("4095")
+
+
+def test_a_worker_started_with_cpus_runs_on_those_only(redis_url: str) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    env = {**os.environ, "SLOGATE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT), "SLOGATE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "slogate.cli", "worker", "--pool", "pinned", "--engine", "sim",
+                             "--cpus", str(cpu)], env=env, cwd=ROOT)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        end = time.monotonic() + 30
+        while not list(client.scan_iter(match=keys.heartbeat("pinned", "*"))):
+            assert proc.poll() is None and time.monotonic() < end, "the pinned worker never sent a heartbeat"
+            time.sleep(0.05)
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        allowed = next(line.split(":")[1].strip() for line in status.splitlines()
+                       if line.startswith("Cpus_allowed_list"))
+        assert allowed == str(cpu)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        client.close()
+
+
+def test_a_worker_given_cpus_it_cannot_have_exits_with_the_reason() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "slogate.cli", "worker", "--pool", "p", "--engine", "sim",
+                           "--cpus", "4095"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "cannot run on CPU(s) [4095]" in done.stderr
