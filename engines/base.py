@@ -22,6 +22,8 @@ class EngineRequest:
     """Absolute unix time; an engine may order work by it (earliest deadline first)."""
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    prompt_ids: list[int] | None = None
+    """The prompt's token ids, when :meth:`Engine.prepare` computed them ahead."""
 
 
 @dataclass
@@ -57,6 +59,12 @@ class Engine(Protocol):
     name: str
     model_id: str
     max_context: int
+
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        """The request with what needs no engine state done ahead (tokenizing the prompt). The
+        worker calls it on another thread, beside a step rather than between two, so a long
+        prompt's tokenizing does not stretch the running streams' gap. Never raises: a request
+        it cannot prepare comes back as it was, and ``add_request`` reports the problem."""
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. A request that can never be served must come back from the next

@@ -86,6 +86,9 @@ class SimEngine:
     def max_context(self) -> int:
         return self.timing.max_context
 
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        return request
+
     def add_request(self, request: EngineRequest) -> None:
         n = count_prompt_tokens(request.prompt, request.messages, self.timing.chars_per_token)
         total = n + request.sampling.max_tokens

@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
@@ -72,8 +73,10 @@ class Worker:
         self.s = settings
         self.queue = keys.queue(settings.pool)
         self.inflight: dict[str, _InFlight] = {}
-        self._adds: deque[GenerateRequest] = deque()
-        """Requests for the engine thread to add before its next step."""
+        self._adds: deque[EngineRequest] = deque()
+        """Prepared requests for the engine thread to add before its next step."""
+        self._preparing = 0
+        self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self._aborts: deque[str] = deque()
         self._last_expiry_check = 0.0
         self._ttl_renewed: dict[str, float] = {}
@@ -103,6 +106,7 @@ class Worker:
                 await self.redis.delete(keys.heartbeat(self.s.pool, self.s.worker_id))
             except RedisError:
                 pass
+            self._preparer.shutdown(wait=False)
 
     def stop(self) -> None:
         """Take no new work; finish what is held (unfinished entries stay pending for others)."""
@@ -183,11 +187,29 @@ class Worker:
             return
         for req, entry_id, attempt in fresh:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
-            self._adds.append(req)
-        self._engine_wake.set()
-        check = asyncio.create_task(self._abort_cancelled([req.id for req, _, _ in fresh]))
-        self._checks.add(check)
-        check.add_done_callback(self._checks.discard)
+        reqs = [req for req, _, _ in fresh]
+        for coro in (self._prepare(reqs), self._abort_cancelled([req.id for req in reqs])):
+            task = asyncio.create_task(coro)
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+    async def _prepare(self, reqs: list[GenerateRequest]) -> None:
+        """Tokenize on a thread of its own (the tokenizer releases the GIL), beside the running
+        step, then hand the requests to the engine thread; one cancelled meanwhile is dropped."""
+        requests = [EngineRequest(id=r.id, sampling=r.sampling, deadline=r.deadline, prompt=r.prompt,
+                                  messages=r.messages) for r in reqs]
+        self._preparing += len(requests)
+        prepared = requests
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._preparer, lambda: [self.engine.prepare(r) for r in requests])
+        except Exception:  # an engine whose prepare breaks its promise: add_request will tokenize
+            log.exception("preparing %d request(s) failed; the engine tokenizes them itself", len(requests))
+        finally:
+            # queued before the count drops, so a stopping engine thread never sees neither
+            self._adds.extend(r for r in prepared if r.id in self.inflight)
+            self._preparing -= len(requests)
+            self._engine_wake.set()
 
     async def _abort_cancelled(self, request_ids: list[str]) -> None:
         """Requests cancelled before this worker took them (their cancel message went to
@@ -259,7 +281,7 @@ class Worker:
             self._engine_wake.clear()
             self._apply_commands(held)
             if not self.engine.has_unfinished():
-                if self._stopping.is_set() and not self._adds:
+                if self._stopping.is_set() and not self._adds and not self._preparing:
                     return
                 self._engine_wake.wait(0.5)
                 continue
@@ -282,8 +304,7 @@ class Worker:
         while self._adds:
             req = self._adds.popleft()
             held.add(req.id)
-            self.engine.add_request(EngineRequest(
-                id=req.id, sampling=req.sampling, deadline=req.deadline, prompt=req.prompt, messages=req.messages))
+            self.engine.add_request(req)
         while self._aborts:
             request_id = self._aborts.popleft()
             held.discard(request_id)
@@ -445,7 +466,7 @@ class Worker:
         return Heartbeat(
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
-            running=load.running, waiting=load.waiting + len(self._adds), capacity=load.capacity,
+            running=load.running, waiting=load.waiting + len(self._adds) + self._preparing, capacity=load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, ts=time.time())
 

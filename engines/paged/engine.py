@@ -9,6 +9,7 @@ runs past its deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -78,11 +79,20 @@ class PagedEngine:
         self.clock = time.time
         """Wall clock that deadlines are compared against (replaceable in tests)."""
 
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        if request.prompt_ids is not None:
+            return request
+        try:
+            return dataclasses.replace(request, prompt_ids=self.loaded.encode(request.prompt, request.messages))
+        except Exception:  # noqa: BLE001 - add_request tokenizes again and reports why
+            return request
+
     def add_request(self, request: EngineRequest) -> None:
         if request.id in self._live:
             return  # a redelivery of a request already served here: its outputs are on their way
         try:
-            prompt_ids = self.loaded.encode(request.prompt, request.messages)
+            prompt_ids = (request.prompt_ids if request.prompt_ids is not None
+                          else self.loaded.encode(request.prompt, request.messages))
         except Exception as exc:  # noqa: BLE001 - a bad prompt is the client's fault, whatever raised
             self._pending.append(_error(request.id, f"cannot tokenize the request: {exc}"))
             return

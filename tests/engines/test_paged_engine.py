@@ -263,3 +263,22 @@ def test_a_redelivered_request_is_served_once(tiny_model_dir: Path, reference: d
     assert _tokens(outputs)["a"] == reference[PROMPTS[2]]
     assert sum(1 for o in outputs if o.finish_reason) == 1
     _assert_pool_clean(engine)
+
+
+def test_prepared_requests_are_served_as_unprepared_ones(tiny_model_dir: Path, reference: dict) -> None:
+    """The worker tokenizes on another thread through ``prepare``; the tokens it computes
+    ahead must be the ones ``add_request`` would, and a request ``prepare`` cannot tokenize
+    still gets its error from ``add_request``."""
+    engine = _engine(tiny_model_dir)
+    prepared = engine.prepare(_request("p", PROMPTS[1]))
+    assert prepared.prompt_ids == engine.loaded.encode(PROMPTS[1], None)
+    chat = EngineRequest("chat", GREEDY, time.time() + 3600, messages=[{"role": "user", "content": "hi"}])
+    assert engine.prepare(chat).prompt_ids == engine.loaded.encode(None, chat.messages)
+    broken = EngineRequest("broken", GREEDY, time.time() + 3600)
+    assert engine.prepare(broken) is broken
+    engine.add_request(prepared)
+    engine.add_request(engine.prepare(broken))
+    outputs = _drain(engine)
+    assert _tokens([o for o in outputs if o.request_id == "p"])["p"] == reference[PROMPTS[1]]
+    error = next(o for o in outputs if o.request_id == "broken")
+    assert error.error_status == 400 and "cannot tokenize" in error.error
