@@ -363,7 +363,8 @@ def warmup_fit(engine: stream.StreamEngine) -> dict[str, float]:
 def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                    threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
     """Both engines in this process at the workers' thread count, one load level at a time,
-    then the long-prompt scenario."""
+    then the long-prompt scenario. The engines take turns at each level (the order of the
+    rows is kept), so a host that speeds up or slows down over the run favours neither."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
         "stream": stream.create(str(model_dir), dtype=args.dtype, max_batch=args.max_batch),
@@ -371,25 +372,28 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     }
     fit = warmup_fit(engines["stream"])
     meter = CpuMeter({})
-    rows = []
-    prefill = []
-    for name, engine in engines.items():
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    prefill: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    spreads = {name: Spread(args.stagger_ms) for name in engines}
+    for engine in engines.values():
         engine_closed_loop(engine, prompts.warmup)
-        spread = Spread(args.stagger_ms)
-        for level, batch in prompts.levels.items():
+    for level, batch in prompts.levels.items():
+        for name, engine in engines.items():
+            spread = spreads[name]
             traces, cpu = meter.measure(lambda: engine_closed_loop(engine, spread.level(batch)))
-            rows.append(latency_row(f"{name} engine, in process", level, traces, cpu, spread.seconds))
+            rows[name].append(latency_row(f"{name} engine, in process", level, traces, cpu, spread.seconds))
             spread.learn(traces)
-            print(json.dumps(rows[-1]), flush=True)
-        for repeat, (control, beside, long) in enumerate(prompts.long, 1):
-            for shorts, big in ((control, None), (beside, long)):
+            print(json.dumps(rows[name][-1]), flush=True)
+    for repeat, (control, beside, long) in enumerate(prompts.long, 1):
+        for shorts, big in ((control, None), (beside, long)):
+            for name, engine in engines.items():
                 result, cpu = meter.measure(lambda: engine_long_prefill(engine, shorts, big, args.long_short_tokens))
-                prefill.append({"contender": f"{name} engine, in process", "repeat": repeat,
-                                "long_prompt": big is not None, **result,
-                                "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
-                print(json.dumps(prefill[-1]), flush=True)
+                prefill[name].append({"contender": f"{name} engine, in process", "repeat": repeat,
+                                      "long_prompt": big is not None, **result,
+                                      "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
+                print(json.dumps(prefill[name][-1]), flush=True)
     torch.set_num_threads(1)
-    return rows, prefill, fit
+    return [r for name in engines for r in rows[name]], [p for name in engines for p in prefill[name]], fit
 
 
 # -- transformers in process --------------------------------------------------------------
@@ -758,10 +762,11 @@ def main() -> None:
 
 def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
-    """Both engines behind one gateway; each load level, then the long-prompt scenario."""
+    """Both engines behind one gateway; each load level, then the long-prompt scenario, the
+    engines taking turns as in :func:`run_in_process`."""
     model = model_dir.name
-    rows: list[dict[str, Any]] = []
-    prefill: list[dict[str, Any]] = []
+    rows: dict[str, list[dict[str, Any]]] = {engine: [] for engine in POOLS}
+    prefill: dict[str, list[dict[str, Any]]] = {engine: [] for engine in POOLS}
     everywhere = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
@@ -779,30 +784,33 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                     os.sched_setaffinity(pid, parse_cpus(layout[0]))
             stack.wait_models(model, pools=2, timeout=300)
             fit = worker_fit(redis.url, POOLS["stream"])
-            for engine, pool in POOLS.items():
+            meters = {engine: CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
+                                        "redis": redis.proc.pid}) for engine in POOLS}
+            spreads = {engine: Spread(args.stagger_ms) for engine in POOLS}
+            for pool in POOLS.values():
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))
-                meter = CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
-                                  "redis": redis.proc.pid})
-                spread = Spread(args.stagger_ms)
-                for level, batch in prompts.levels.items():
-                    traces, cpu = meter.measure(
+            for level, batch in prompts.levels.items():
+                for engine, pool in POOLS.items():
+                    spread = spreads[engine]
+                    traces, cpu = meters[engine].measure(
                         lambda: asyncio.run(closed_loop(stack.url, model, pool, spread.level(batch))))
-                    rows.append(latency_row(f"{engine} engine", level, traces, cpu, spread.seconds))
+                    rows[engine].append(latency_row(f"{engine} engine", level, traces, cpu, spread.seconds))
                     spread.learn(traces)
-                    print(json.dumps(rows[-1]), flush=True)
-                for repeat, (control, beside, long) in enumerate(prompts.long, 1):
-                    for shorts, big in ((control, None), (beside, long)):
-                        result, cpu = meter.measure(lambda: asyncio.run(long_prefill(
+                    print(json.dumps(rows[engine][-1]), flush=True)
+            for repeat, (control, beside, long) in enumerate(prompts.long, 1):
+                for shorts, big in ((control, None), (beside, long)):
+                    for engine, pool in POOLS.items():
+                        result, cpu = meters[engine].measure(lambda: asyncio.run(long_prefill(
                             stack.url, model, pool, shorts, big, args.long_short_tokens)))
-                        prefill.append({"contender": f"{engine} engine", "repeat": repeat,
-                                        "long_prompt": big is not None, **result,
-                                        "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
-                        print(json.dumps(prefill[-1]), flush=True)
+                        prefill[engine].append({"contender": f"{engine} engine", "repeat": repeat,
+                                                "long_prompt": big is not None, **result,
+                                                "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
+                        print(json.dumps(prefill[engine][-1]), flush=True)
         finally:
             stack.stop()
             redis.stop()
             os.sched_setaffinity(0, everywhere)
-    return rows, prefill, fit
+    return [r for engine in POOLS for r in rows[engine]], [p for engine in POOLS for p in prefill[engine]], fit
 
 
 def pinned_text(threads: int) -> str:

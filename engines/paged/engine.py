@@ -69,7 +69,7 @@ class PagedEngine:
             self.block_manager, opts.max_num_seqs, opts.max_batched_tokens, loaded.max_context
         )
         if opts.pack_weights:
-            pack_linears(loaded.model, opts.max_num_seqs)
+            pack_linears(loaded.model, opts.max_num_seqs, warm_rows=opts.max_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel)
         self.capacity = opts.max_num_seqs
         self._live: dict[str, _Live] = {}

@@ -71,8 +71,11 @@ def pack_linears(model: torch.nn.Module, batch_hint: int = 64, warm_rows: int = 
     """Swap every ``nn.Linear`` of ``model`` for a :class:`PackedLinear`; how many were
     swapped (0 when the model cannot be packed, or already was). ``batch_hint`` is the
     typical number of rows, which oneDNN may use to choose the layout. The kernels for every
-    padded row count up to ``warm_rows`` (decode batches, short prompts) are built here, once
-    per layer shape, instead of inside the first requests' steps."""
+    padded row count up to ``warm_rows`` (an engine passes its step's token budget) are built
+    here, once per layer shape, instead of inside the first steps that need them: a step whose
+    row count was new took 1.3-3 ms longer on the tiny model, the tail of the stream engine's
+    time to first token at 16 streams. All 72 sizes to 2,048 took 0.3 s on the tiny model and
+    0.9 s on the ~100M one (2 cores)."""
     if not can_pack(model):
         return 0
     swapped: list[PackedLinear] = []
