@@ -126,17 +126,21 @@ def gap_stats(series: list[list[tuple[float, float]]], start: float, end: float)
 
 class CpuMeter:
     """CPU seconds of named processes (from /proc) and of this one around a call: on a
-    shared machine, which process burned the cores says more than wall time."""
+    shared machine, which process burned the cores says more than wall time. With a Redis,
+    also the commands it served (``redis_commands``), a count no host noise moves."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, int], redis_url: str | None = None) -> None:
         self.pids = pids
         self._tick = os.sysconf("SC_CLK_TCK")
+        self._redis = redis.Redis.from_url(redis_url) if redis_url else None
 
     def _read(self) -> dict[str, float]:
         out = {"client": time.process_time()}
         for name, pid in self.pids.items():
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             out[name] = (int(fields[11]) + int(fields[12])) / self._tick
+        if self._redis is not None:
+            out["redis_commands"] = self._redis.info("stats")["total_commands_processed"]
         return out
 
     def measure(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
@@ -468,7 +472,9 @@ def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, flo
         "token_gap_p99_ms": percentile(token_gaps, 99) * 1000 if token_gaps else None,
         "chunks_per_stream": statistics.mean(len(t.chunks) for t in ok) if ok else 0.0,
         "tokens_per_stream": statistics.mean(t.tokens for t in ok) if ok else 0.0,
-        "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
+        "cpu_s": {k: round(v, 2) for k, v in cpu.items() if k != "redis_commands"},
+        "redis_commands_per_token": (cpu["redis_commands"] / max(1, sum(t.tokens for t in ok))
+                                     if "redis_commands" in cpu else None),
         "loadavg_1m": os.getloadavg()[0],
     }
 
@@ -543,11 +549,12 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
     latency = markdown_table(
         ["contender", "streams", "requests", "starts within ms", "errors", "TTFT P50 ms", "TTFT P99 ms", "chunk gap P50 ms",
          "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms", "chunks/stream", "tokens/stream", "wall s",
-         "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client", "load 1m"],
+         "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client", "Redis commands per token", "load 1m"],
         [[r["contender"], r["streams"], r["requests"], _ms_or_dash(r["start_spread_ms"]), r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
           r["chunk_gap_p50_ms"], r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
           r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"], r["cpu_s"].get("gateway", "-"),
-          r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"], r["loadavg_1m"]]
+          r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"],
+          r["redis_commands_per_token"] if r["redis_commands_per_token"] is not None else "-", r["loadavg_1m"]]
          for r in rows])
     gateway_long = markdown_table(
         ["engine", "repeat", "long prompt", "median token gap ms", "worst token gap in window ms",
@@ -785,7 +792,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
             stack.wait_models(model, pools=2, timeout=300)
             fit = worker_fit(redis.url, POOLS["stream"])
             meters = {engine: CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
-                                        "redis": redis.proc.pid}) for engine in POOLS}
+                                        "redis": redis.proc.pid}, redis.url) for engine in POOLS}
             spreads = {engine: Spread(args.stagger_ms) for engine in POOLS}
             for pool in POOLS.values():
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))

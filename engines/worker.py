@@ -84,9 +84,10 @@ class Worker:
         self._engine_wake = threading.Event()
         self._halt = threading.Event()
         self._stopping = asyncio.Event()
-        self._outbox = redis.pipeline(transaction=False)
-        """Records queued for the next send."""
-        self._outbox_records = 0
+        self._replies: dict[str, list[tuple[bytes, bytes]]] = {}
+        """Records queued for the next send, per reply stream: (request id, sealed message)."""
+        self._acks: list[bytes] = []
+        """Queue entries to acknowledge once the records before them are written."""
         self._send_wake = asyncio.Event()
         self.metrics = WorkerMetrics(settings.pool, settings.worker_id, engine.name)
 
@@ -172,17 +173,16 @@ class Worker:
             if req.id in self.inflight:
                 continue
             if attempt > self.s.max_attempts:
-                await self._fail(req, entry_id, attempt, Error(
+                self._fail(req, entry_id, attempt, Error(
                     f"request failed on {attempt - 1} workers in a row; not retried again",
                     "worker_failed", 502, attempt))
             elif now > req.deadline:
-                await self._fail(req, entry_id, attempt, Error(
+                self._fail(req, entry_id, attempt, Error(
                     "deadline passed before a worker could start the request",
                     "deadline_exceeded", 504, attempt))
             else:
                 fresh.append((req, entry_id, attempt))
-        if drop:
-            await self._ack(drop)
+        self._ack(drop)
         if not fresh:
             return
         for req, entry_id, attempt in fresh:
@@ -223,19 +223,17 @@ class Worker:
         cancelled = [job for rid, flag in zip(request_ids, flags) if flag is not None and (job := self._abort(rid))]
         self._drop(cancelled)
 
-    async def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
+    def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
         self.metrics.finished(err.code)
-        async with self.redis.pipeline(transaction=False) as p:
-            self._write(p, _InFlight(req, entry_id, attempt, time.time()), err)
-            p.xack(self.queue, keys.GROUP, entry_id)
-            p.xdel(self.queue, entry_id)
-            await p.execute()
+        self._write(_InFlight(req, entry_id, attempt, time.time()), err)
+        self._ack([entry_id])
 
-    async def _ack(self, entry_ids: list[bytes]) -> None:
-        async with self.redis.pipeline(transaction=False) as p:
-            p.xack(self.queue, keys.GROUP, *entry_ids)
-            p.xdel(self.queue, *entry_ids)
-            await p.execute()
+    def _ack(self, entry_ids: list[bytes]) -> None:
+        """Acknowledge and delete queue entries with the next send, after the records queued
+        before them."""
+        if entry_ids:
+            self._acks.extend(entry_ids)
+            self._send_wake.set()
 
     # -- engine ---------------------------------------------------------------------------
 
@@ -343,17 +341,11 @@ class Worker:
         """Settle requests stopped early: acknowledged, and told ``error`` when their gateway
         still waits (a deadline, an engine failure); a cancel needs no answer. Written with
         the step records, after those already queued for the same requests."""
-        if not jobs:
-            return
-        p = self._outbox
         for job in jobs:
             self.metrics.finished(error.code if error else "cancelled")
             if error is not None:
-                self._write(p, job, msgspec.structs.replace(error, attempt=job.attempt))
-        p.xack(self.queue, keys.GROUP, *(j.entry_id for j in jobs))
-        p.xdel(self.queue, *(j.entry_id for j in jobs))
-        self._outbox_records += len(jobs)
-        self._send_wake.set()
+                self._write(job, msgspec.structs.replace(error, attempt=job.attempt))
+        self._ack([j.entry_id for j in jobs])
 
     async def _sender(self, engine_done: asyncio.Future[None]) -> None:
         """Send what the steps queued, one pipeline at a time, so every request's records stay
@@ -363,20 +355,33 @@ class Worker:
             await self._send_wake.wait()
             self._send_wake.clear()
             await self._flush()
-            if engine_done.done() and not self._outbox_records:
+            if engine_done.done() and not self._replies and not self._acks:
                 return
 
     async def _flush(self) -> None:
-        if not self._outbox_records:
+        """One entry per reply stream holding everything queued for it, then the acks, in one
+        pipeline. The streams' TTLs are kept ahead of the writes (renewed a few times per TTL,
+        not per write), so a stream whose gateway died and that nobody writes to any more goes
+        away ``result_ttl_s`` later."""
+        if not self._replies and not self._acks:
             return
-        p, n = self._outbox, self._outbox_records
-        self._outbox, self._outbox_records = self.redis.pipeline(transaction=False), 0
-        try:
-            await p.execute()
-        except (RedisError, OSError) as exc:
-            log.error("publishing %d records failed: %s", n, exc)
-        finally:
-            await p.reset()
+        replies, self._replies = self._replies, {}
+        acks, self._acks = self._acks, []
+        now = time.monotonic()
+        async with self.redis.pipeline(transaction=False) as p:
+            for key, records in replies.items():
+                p.xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch(records)})
+                if now - self._ttl_renewed.get(key, -1e9) > self.s.result_ttl_s / 4:
+                    self._ttl_renewed[key] = now
+                    p.pexpire(key, int(self.s.result_ttl_s * 1000))
+            if acks:
+                p.xack(self.queue, keys.GROUP, *acks)
+                p.xdel(self.queue, *acks)
+            try:
+                await p.execute()
+            except (RedisError, OSError) as exc:
+                log.error("publishing %d records and %d acks failed: %s",
+                          sum(len(r) for r in replies.values()), len(acks), exc)
 
     def _records(self, outputs: list[StepOutput]) -> None:
         """Queue a step's records and acknowledgements for the sender. The bookkeeping (what
@@ -384,22 +389,20 @@ class Worker:
         intake already see it while the records are on their way."""
         now = time.time()
         done: list[bytes] = []
-        p = self._outbox
         for out in outputs:
             job = self.inflight.get(out.request_id)
             if job is None:
                 continue
             if out.error is not None:
                 code = "invalid_request_error" if out.error_status < 500 else "engine_error"
-                self._write(p, job, Error(out.error, code, out.error_status, job.attempt))
+                self._write(job, Error(out.error, code, out.error_status, job.attempt))
                 self.metrics.finished(code)
             else:
                 if out.text:
                     job.first_token_at = job.first_token_at or now
                     job.held += out.text
                 if job.held and (job.req.stream or out.finish_reason is not None):
-                    self._write(p, job, Delta(job.held, job.offset, job.attempt,
-                                              out.prompt_tokens, out.completion_tokens))
+                    self._write(job, Delta(job.held, job.offset, job.attempt, out.prompt_tokens, out.completion_tokens))
                     job.offset += len(job.held)
                     job.held = ""
                 if out.finish_reason is None:
@@ -407,17 +410,13 @@ class Worker:
                 self.metrics.finished(out.finish_reason)
                 self.metrics.tokens.inc(out.completion_tokens)
                 self._trace(job, now, out)
-                self._write(p, job, Final(
+                self._write(job, Final(
                     out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
                     queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
                     ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
             done.append(job.entry_id)
             del self.inflight[out.request_id]
-        if done:
-            p.xack(self.queue, keys.GROUP, *done)
-            p.xdel(self.queue, *done)
-        self._outbox_records += len(outputs)
-        self._send_wake.set()
+        self._ack(done)
 
     def _trace(self, job: _InFlight, now: float, out: StepOutput) -> None:
         """Queue wait, prefill and decode as spans of the gateway's trace."""
@@ -431,17 +430,11 @@ class Worker:
         tracing.record("decode", job.req.trace, first, now,
                        **attrs, **{"slogate.completion_tokens": out.completion_tokens})
 
-    def _write(self, p: aioredis.client.Pipeline, job: _InFlight, msg: Delta | Final | Error) -> None:
-        """Append to the gateway's reply stream, and keep the stream's TTL ahead of the writes
-        (renewed a few times per TTL, not per record), so a stream whose gateway died and that
-        nobody writes to any more goes away ``result_ttl_s`` later."""
-        key = job.req.reply
+    def _write(self, job: _InFlight, msg: Delta | Final | Error) -> None:
+        """Queue a record for the request's gateway (sent by :meth:`_flush`)."""
         rid = job.req.id.encode()
-        p.xadd(key, {protocol.ID_FIELD: rid, protocol.FIELD: self.sealer.seal(protocol.encode(msg), rid)})
-        now = time.monotonic()
-        if now - self._ttl_renewed.get(key, -1e9) > self.s.result_ttl_s / 4:
-            self._ttl_renewed[key] = now
-            p.pexpire(key, int(self.s.result_ttl_s * 1000))
+        self._replies.setdefault(job.req.reply, []).append((rid, self.sealer.seal(protocol.encode(msg), rid)))
+        self._send_wake.set()
 
     # -- cancels, heartbeats, orphans -----------------------------------------------------
 

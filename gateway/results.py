@@ -1,7 +1,8 @@
 """Every result a gateway waits for arrives on one stream of its own, read by one blocking XREAD.
 
-Workers append each request's deltas and final record to the reply stream named in the
-request, tagged with the request id. One stream per gateway instead of one per request means
+Workers append the records for this gateway's requests (deltas, final records) to the reply
+stream named in the request, each tagged with its request id, all that one worker writes at
+once in one entry. One stream per gateway instead of one per request means
 a read costs the same whatever the number of open requests, no command creates or deletes a
 per-request key, and a request that starts never has to wake a reader blocked on a key set
 that did not include it. Read entries are trimmed; the stream expires if its gateway dies.
@@ -64,10 +65,8 @@ class ResultMux:
                 await asyncio.sleep(0.2)
                 continue
             for _, entries in resp or ():
-                for _, fields in entries:
-                    sub = self._subs.get(fields.get(protocol.ID_FIELD, b""))
-                    if sub is not None:
-                        sub.records.put_nowait(self._decode(sub, fields))
+                for entry_id, fields in entries:
+                    self._route(entry_id, fields)
                 self._last = entries[-1][0]
             self._trim()
 
@@ -79,10 +78,21 @@ class ResultMux:
             self._trimmed_at = now
             self.batcher.fire("XTRIM", self.key, "MINID", self._last)
 
-    def _decode(self, sub: Subscription, fields: dict[bytes, bytes]) -> Result:
+    def _route(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:
-            return protocol.decode_result(self.sealer.open(fields[protocol.FIELD], sub.request_id.encode()))
-        except (protocol.ProtocolError, SealError, KeyError) as exc:
+            records = protocol.decode_batch(fields[protocol.BATCH_FIELD])
+        except (protocol.ProtocolError, KeyError) as exc:
+            log.error("dropping unreadable reply entry %s: %s", entry_id, exc)
+            return
+        for request_id, sealed in records:
+            sub = self._subs.get(request_id)
+            if sub is not None:
+                sub.records.put_nowait(self._decode(sub, sealed))
+
+    def _decode(self, sub: Subscription, sealed: bytes) -> Result:
+        try:
+            return protocol.decode_result(self.sealer.open(sealed, sub.request_id.encode()))
+        except (protocol.ProtocolError, SealError) as exc:
             log.error("unreadable result record: %s", exc)
             return Error(f"a worker sent a record this gateway cannot read ({exc})",
                          "protocol_mismatch", 502, attempt=0)

@@ -15,8 +15,13 @@ import msgspec
 VERSION = 1
 FIELD = b"m"
 ID_FIELD = b"id"
-"""Every entry carries its request id in the clear: it routes a record to its request and is
+"""Every request entry carries its request id in the clear: it routes the request and is
 what a sealed message is bound to."""
+BATCH_FIELD = b"b"
+"""A reply entry holds the records one worker wrote for one gateway at once: msgpack pairs
+(request id in the clear, message), in the order written. One entry per write instead of one
+per record: at 16 streams a step's records cost one XADD instead of 16, and packing those
+commands and parsing their replies took 40% of a worker's event loop."""
 
 FinishReason = Literal["stop", "length", "cancelled", "deadline", "error"]
 
@@ -163,3 +168,17 @@ def decode_result(data: bytes) -> Result:
 
 def decode_heartbeat(data: bytes) -> Heartbeat:
     return _decode(_heartbeat_decoder, data)
+
+
+_batch_decoder = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]])
+
+
+def encode_batch(records: list[tuple[bytes, bytes]]) -> bytes:
+    return _encoder.encode(records)
+
+
+def decode_batch(data: bytes) -> list[tuple[bytes, bytes]]:
+    try:
+        return _batch_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed reply entry: {exc}") from exc

@@ -31,3 +31,13 @@ def test_determinism_flag() -> None:
     assert SamplingParams(temperature=0).deterministic
     assert SamplingParams(temperature=0.7, seed=3).deterministic
     assert not SamplingParams(temperature=0.7).deterministic
+
+
+def test_a_reply_entry_keeps_its_records_in_order() -> None:
+    records = [(b"a", protocol.encode(Delta("x", 0))), (b"b", protocol.encode(Final("stop", 1, 1))),
+               (b"a", protocol.encode(Final("length", 1, 1)))]
+    assert protocol.decode_batch(protocol.encode_batch(records)) == records
+    with pytest.raises(protocol.ProtocolError, match="malformed reply entry"):
+        protocol.decode_batch(msgspec.msgpack.encode([["a", 1]]))
+    with pytest.raises(protocol.ProtocolError, match="malformed reply entry"):
+        protocol.decode_batch(b"\xc1")

@@ -38,8 +38,8 @@ async def results(client: aioredis.Redis, request_id: str, timeout: float = 5.0)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         entries = await client.xrange(REPLIES)
-        records = [protocol.decode_result(f[protocol.FIELD]) for _, f in entries
-                   if f[protocol.ID_FIELD] == request_id.encode()]
+        records = [protocol.decode_result(payload) for _, f in entries
+                   for rid, payload in protocol.decode_batch(f[protocol.BATCH_FIELD]) if rid == request_id.encode()]
         if records and not isinstance(records[-1], protocol.Delta):
             return records
         await asyncio.sleep(0.02)
