@@ -92,6 +92,8 @@ class Trace:
     token_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     """Through the gateway: the completion tokens each chunk's running usage reported."""
+    first: bool = False
+    """Its client's first request: sent while the clients were still joining (the ramp)."""
 
     @property
     def ttft(self) -> float | None:
@@ -218,8 +220,9 @@ async def closed_loop(url: str, model: str, pool: str, level: Level) -> list[Tra
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         async def client(offset: float, requests: list[tuple[str, int]]) -> None:
             await asyncio.sleep(offset)
-            for prompt, max_tokens in requests:
+            for i, (prompt, max_tokens) in enumerate(requests):
                 traces.append(await sse_stream(session, url, model, pool, prompt, max_tokens))
+                traces[-1].first = i == 0
 
         await asyncio.gather(*(client(o, r) for o, r in zip(level.offsets, level.per_client())))
     return traces
@@ -299,18 +302,19 @@ def engine_closed_loop(engine: Engine, level: Level) -> list[Trace]:
     began = time.perf_counter()
     starts = sorted((began + offset, client) for client, offset in enumerate(level.offsets))
 
-    def send(client: int, sent: float) -> None:
+    def send(client: int, sent: float, first: bool = False) -> None:
         item = next(queues[client], None)
         if item is not None:
             rid = f"p{len(traces)}"
             owner[rid] = client
             traces.append(add_stream(engine, live, rid, *item, sent))
+            traces[-1].first = first
 
     while starts or engine.has_unfinished():
         now = time.perf_counter()
         while starts and starts[0][0] <= now:
             at, client = starts.pop(0)
-            send(client, at)
+            send(client, at, first=True)
         if not engine.has_unfinished():
             time.sleep(max(0.0, starts[0][0] - now) if starts else 0.0)
             continue
@@ -366,9 +370,7 @@ def warmup_fit(engine: stream.StreamEngine) -> dict[str, float]:
 
 def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                    threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
-    """Both engines in this process at the workers' thread count, one load level at a time,
-    then the long-prompt scenario. The engines take turns at each level (the order of the
-    rows is kept), so a host that speeds up or slows down over the run favours neither."""
+    """Both engines in this process at the workers' thread count."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
         "stream": stream.create(str(model_dir), dtype=args.dtype, max_batch=args.max_batch),
@@ -376,28 +378,48 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     }
     fit = warmup_fit(engines["stream"])
     meter = CpuMeter({})
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
-    prefill: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
-    spreads = {name: Spread(args.stagger_ms) for name in engines}
     for engine in engines.values():
         engine_closed_loop(engine, prompts.warmup)
+    rows, prefill = take_turns([Contender(
+        f"{name} engine, in process", meter,
+        lambda level, engine=engine: engine_closed_loop(engine, level),
+        lambda shorts, big, engine=engine: engine_long_prefill(engine, shorts, big, args.long_short_tokens),
+    ) for name, engine in engines.items()], prompts, args.stagger_ms)
+    torch.set_num_threads(1)
+    return rows, prefill, fit
+
+
+@dataclass
+class Contender:
+    label: str
+    meter: CpuMeter
+    closed_loop: Callable[[Level], list[Trace]]
+    long_prefill: Callable[[list[str], str | None], dict[str, Any]]
+
+
+def take_turns(contenders: list[Contender], prompts: Prompts,
+               stagger_ms: float | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each load level, then the long-prompt scenario, the contenders taking turns at each
+    (rows come out grouped by contender), so a host that speeds up or slows down over the
+    run favours none of them."""
+    rows: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
+    prefill: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
+    spreads = {c.label: Spread(stagger_ms) for c in contenders}
     for level, batch in prompts.levels.items():
-        for name, engine in engines.items():
-            spread = spreads[name]
-            traces, cpu = meter.measure(lambda: engine_closed_loop(engine, spread.level(batch)))
-            rows[name].append(latency_row(f"{name} engine, in process", level, traces, cpu, spread.seconds))
+        for c in contenders:
+            spread = spreads[c.label]
+            traces, cpu = c.meter.measure(lambda: c.closed_loop(spread.level(batch)))
+            rows[c.label].append(latency_row(c.label, level, traces, cpu, spread.seconds))
             spread.learn(traces)
-            print(json.dumps(rows[name][-1]), flush=True)
+            print(json.dumps(rows[c.label][-1]), flush=True)
     for repeat, (control, beside, long) in enumerate(prompts.long, 1):
         for shorts, big in ((control, None), (beside, long)):
-            for name, engine in engines.items():
-                result, cpu = meter.measure(lambda: engine_long_prefill(engine, shorts, big, args.long_short_tokens))
-                prefill[name].append({"contender": f"{name} engine, in process", "repeat": repeat,
-                                      "long_prompt": big is not None, **result,
-                                      "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
-                print(json.dumps(prefill[name][-1]), flush=True)
-    torch.set_num_threads(1)
-    return [r for name in engines for r in rows[name]], [p for name in engines for p in prefill[name]], fit
+            for c in contenders:
+                result, cpu = c.meter.measure(lambda: c.long_prefill(shorts, big))
+                prefill[c.label].append({"contender": c.label, "repeat": repeat, "long_prompt": big is not None,
+                                         **result, "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
+                print(json.dumps(prefill[c.label][-1]), flush=True)
+    return [r for c in contenders for r in rows[c.label]], [p for c in contenders for p in prefill[c.label]]
 
 
 # -- transformers in process --------------------------------------------------------------
@@ -428,10 +450,10 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, level: Level)
 
     def client(offset: float, requests: list[tuple[str, int]]) -> None:
         time.sleep(offset)
-        for prompt, max_tokens in requests:
+        for i, (prompt, max_tokens) in enumerate(requests):
             ids = tokenizer(prompt, return_tensors="pt").input_ids
             streamer = _TimedStreamer(tokenizer)
-            trace = Trace(time.perf_counter())
+            trace = Trace(time.perf_counter(), first=i == 0)
             gen = threading.Thread(target=model.generate, kwargs={
                 "input_ids": ids, "attention_mask": torch.ones_like(ids), "streamer": streamer,
                 "do_sample": False, "max_new_tokens": max_tokens, "min_new_tokens": max_tokens})
@@ -444,7 +466,8 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, level: Level)
             trace.token_times = streamer.token_times
             with lock:
                 chunks.append(trace)
-                tokens.append(Trace(trace.sent, streamer.token_times, trace.tokens, token_times=streamer.token_times))
+                tokens.append(Trace(trace.sent, streamer.token_times, trace.tokens, token_times=streamer.token_times,
+                                    first=trace.first))
 
     threads = [threading.Thread(target=client, args=args) for args in zip(level.offsets, level.per_client())]
     for t in threads:
@@ -460,11 +483,15 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, level: Level)
 def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, float],
                 spread_s: float | None) -> dict[str, Any]:
     ok = [t for t in traces if t.status == 200 and t.chunks]
+    ramp = [t.ttft for t in ok if t.first]
+    ok = [t for t in ok if not t.first]
     ttfts = [t.ttft for t in ok]
     chunk_gaps = [g for t in ok for g in gaps(t.chunks)]
     token_gaps = [b - a for t in ok for a, b in t.token_pairs()]
     return {
-        "contender": name, "streams": streams, "requests": len(traces), "errors": len(traces) - len(ok),
+        "contender": name, "streams": streams, "requests": len(traces),
+        "errors": sum(t.status != 200 or not t.chunks for t in traces),
+        "measured": len(ok), "ramp_ttft_p99_ms": percentile(ramp, 99) * 1000 if ramp else None,
         "start_spread_ms": (spread_s or 0.0) * 1000 if streams > 1 else None,
         "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p99_ms": percentile(ttfts, 99) * 1000,
         "chunk_gap_p50_ms": percentile(chunk_gaps, 50) * 1000, "chunk_gap_p99_ms": percentile(chunk_gaps, 99) * 1000,
@@ -547,11 +574,12 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
            engine_prefill: list[dict[str, Any]], fits: dict[str, dict[str, float]], long_tokens: list[int],
            threads: int) -> str:
     latency = markdown_table(
-        ["contender", "streams", "requests", "starts within ms", "errors", "TTFT P50 ms", "TTFT P99 ms", "chunk gap P50 ms",
-         "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms", "chunks/stream", "tokens/stream", "wall s",
-         "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client", "Redis commands per token", "load 1m"],
-        [[r["contender"], r["streams"], r["requests"], _ms_or_dash(r["start_spread_ms"]), r["errors"], r["ttft_p50_ms"], r["ttft_p99_ms"],
-          r["chunk_gap_p50_ms"], r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
+        ["contender", "streams", "requests", "measured", "starts within ms", "errors", "TTFT P50 ms", "TTFT P99 ms",
+         "ramp TTFT P99 ms", "chunk gap P50 ms", "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms",
+         "chunks/stream", "tokens/stream", "wall s", "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client",
+         "Redis commands per token", "load 1m"],
+        [[r["contender"], r["streams"], r["requests"], r["measured"], _ms_or_dash(r["start_spread_ms"]), r["errors"],
+          r["ttft_p50_ms"], r["ttft_p99_ms"], _ms_or_dash(r["ramp_ttft_p99_ms"]), r["chunk_gap_p50_ms"], r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
           r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"], r["cpu_s"].get("gateway", "-"),
           r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"],
           r["redis_commands_per_token"] if r["redis_commands_per_token"] is not None else "-", r["loadavg_1m"]]
@@ -594,7 +622,11 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"TextIteratorStreamer yields (held to word boundaries), 'tokens' times its put(). CPU s: seconds each "
         f"process spent in the scenario ('worker' is the serving one); load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 64 samples the "
-        f"second largest, of 16 or fewer the largest.",
+        f"second largest, of 16 or fewer the largest. Measured: every request but each client's first. "
+        f"The first requests are the ramp, sent while the clients are still joining: with starts spread over a "
+        f"lifetime at one stream they arrive faster than N streams in steady state would (a model whose steps slow "
+        f"with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99', of the N first requests: the "
+        f"largest).",
         "",
         latency,
         "",
@@ -769,11 +801,8 @@ def main() -> None:
 
 def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
-    """Both engines behind one gateway; each load level, then the long-prompt scenario, the
-    engines taking turns as in :func:`run_in_process`."""
+    """Both engines behind one gateway."""
     model = model_dir.name
-    rows: dict[str, list[dict[str, Any]]] = {engine: [] for engine in POOLS}
-    prefill: dict[str, list[dict[str, Any]]] = {engine: [] for engine in POOLS}
     everywhere = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
@@ -791,33 +820,21 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                     os.sched_setaffinity(pid, parse_cpus(layout[0]))
             stack.wait_models(model, pools=2, timeout=300)
             fit = worker_fit(redis.url, POOLS["stream"])
-            meters = {engine: CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid,
-                                        "redis": redis.proc.pid}, redis.url) for engine in POOLS}
-            spreads = {engine: Spread(args.stagger_ms) for engine in POOLS}
             for pool in POOLS.values():
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))
-            for level, batch in prompts.levels.items():
-                for engine, pool in POOLS.items():
-                    spread = spreads[engine]
-                    traces, cpu = meters[engine].measure(
-                        lambda: asyncio.run(closed_loop(stack.url, model, pool, spread.level(batch))))
-                    rows[engine].append(latency_row(f"{engine} engine", level, traces, cpu, spread.seconds))
-                    spread.learn(traces)
-                    print(json.dumps(rows[engine][-1]), flush=True)
-            for repeat, (control, beside, long) in enumerate(prompts.long, 1):
-                for shorts, big in ((control, None), (beside, long)):
-                    for engine, pool in POOLS.items():
-                        result, cpu = meters[engine].measure(lambda: asyncio.run(long_prefill(
-                            stack.url, model, pool, shorts, big, args.long_short_tokens)))
-                        prefill[engine].append({"contender": f"{engine} engine", "repeat": repeat,
-                                                "long_prompt": big is not None, **result,
-                                                "cpu_s": {k: round(v, 2) for k, v in cpu.items()}})
-                        print(json.dumps(prefill[engine][-1]), flush=True)
+            rows, prefill = take_turns([Contender(
+                f"{engine} engine",
+                CpuMeter({"gateway": stack.procs[0].pid, "worker": workers[engine].pid, "redis": redis.proc.pid},
+                         redis.url),
+                lambda level, pool=pool: asyncio.run(closed_loop(stack.url, model, pool, level)),
+                lambda shorts, big, pool=pool: asyncio.run(long_prefill(stack.url, model, pool, shorts, big,
+                                                                        args.long_short_tokens)),
+            ) for engine, pool in POOLS.items()], prompts, args.stagger_ms)
         finally:
             stack.stop()
             redis.stop()
             os.sched_setaffinity(0, everywhere)
-    return [r for engine in POOLS for r in rows[engine]], [p for engine in POOLS for p in prefill[engine]], fit
+    return rows, prefill, fit
 
 
 def pinned_text(threads: int) -> str:

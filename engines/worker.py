@@ -273,8 +273,7 @@ class Worker:
             pass
 
     def _step_until_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
-        held: set[str] = set()
-        """What the engine holds, so a failed step can abort it all."""
+        held: set[str] = set()  # what the engine holds, so a failed step can abort it all
         while not self._halt.is_set():
             self._engine_wake.clear()
             self._apply_commands(held)
@@ -354,7 +353,10 @@ class Worker:
         while True:
             await self._send_wake.wait()
             self._send_wake.clear()
-            await self._flush()
+            try:
+                await self._flush()
+            except Exception:  # a bug in a write must not stop every later one
+                log.exception("sending records failed")
             if engine_done.done() and not self._replies and not self._acks:
                 return
 
