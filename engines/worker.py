@@ -33,6 +33,7 @@ from engines.metrics import WorkerMetrics
 from slogate import keys, protocol, tracing
 from slogate.config import Config
 from slogate.crypto import Sealer, SealError
+from slogate.heap import freeze_startup_heap
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
 
 log = logging.getLogger("slogate.worker")
@@ -554,6 +555,7 @@ async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30
     """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
     tracing.setup("slogate-worker")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    freeze_startup_heap()
     redis = aioredis.Redis.from_url(cfg.redis_url or "redis://127.0.0.1:6379/0", max_connections=16,
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(

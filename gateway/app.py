@@ -31,6 +31,7 @@ from gateway.workers import WorkerDirectory
 from slogate import logs, tracing
 from slogate.config import Config
 from slogate.crypto import Sealer
+from slogate.heap import freeze_startup_heap
 
 log = logging.getLogger("slogate.gateway")
 _AUDITED = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -187,6 +188,7 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
     await site.start()
+    freeze_startup_heap()
     log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
