@@ -71,6 +71,7 @@ from engines.base import Engine, EngineRequest
 from engines.runtime.tiny_model import build_tiny_model
 from slogate import keys, protocol
 from slogate.cpus import parse_cpus
+from slogate.heap import freeze_startup_heap
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack
 from slogate.protocol import SamplingParams
@@ -380,6 +381,7 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     meter = CpuMeter({})
     for engine in engines.values():
         engine_closed_loop(engine, prompts.warmup)
+    freeze_startup_heap()  # as the worker does once its engine is up
     rows, prefill = take_turns([Contender(
         f"{name} engine, in process", meter,
         lambda level, engine=engine: engine_closed_loop(engine, level),
@@ -860,6 +862,7 @@ def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompt
     model.generation_config.eos_token_id = None
     meter = CpuMeter({})
     hf_closed_loop(model, tokenizer, prompts.warmup)
+    freeze_startup_heap()
     rows = []
     spread = Spread(stagger_ms)
     for level, batch in prompts.levels.items():
