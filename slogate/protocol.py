@@ -12,7 +12,10 @@ from typing import Any, Literal, Union
 
 import msgspec
 
-VERSION = 1
+VERSION = 2
+"""2: reply entries hold a batch of records (:data:`BATCH_FIELD`), so a worker of this release
+refuses a request from a gateway of the last one instead of answering in a shape it cannot
+read."""
 FIELD = b"m"
 ID_FIELD = b"id"
 """Every request entry carries its request id in the clear: it routes the request and is
