@@ -18,9 +18,12 @@ Contenders, all on the same requests (distinct random-token prompts of 16-64 tok
 Arrivals are staggered by default, as independent users' are: each request's ``max_tokens`` is
 drawn (seeded) between half and 1.5x ``--max-tokens``, and each client starts at a seeded
 random offset within one request's lifetime (or ``--stagger-ms``), so streams do not finish,
-and their successors do not arrive, in the same step. ``--arrivals burst`` gives every request
-the same ``max_tokens`` and starts all clients at once: every round then arrives as one burst
-of prefills, the worst case for TTFT rather than a typical one.
+and their successors do not arrive, in the same step. Each client's first request is the ramp
+(clients still joining) and is reported apart; the other columns are the steady state, with
+the contenders taking turns at each level. ``--arrivals burst`` gives every request the same
+``max_tokens`` and starts all clients at once: every round then arrives as one burst of
+prefills, the worst case for TTFT rather than a typical one. ``--pin`` gives the serving
+worker CPUs of its own.
 
 A client sees text chunks, not tokens: a token that is part of a UTF-8 character carries no
 text, so one chunk gap can span several engine steps. The gateway rows ask for running usage
@@ -34,12 +37,13 @@ against their median gap, with the same 8 streams alone as the control (what the
 does). Run::
 
     python -m benchmarks.stream_engine                  # tiny model, about a minute on 2 cores
-    python -m benchmarks.stream_engine --size 100m --dtype bf16 --threads 2 --rounds 2 --max-tokens 16 --long-repeats 1
+    python -m benchmarks.stream_engine --size 100m --dtype bf16 --threads 2 --rounds 4 --max-tokens 16 --long-repeats 1
 
 Results are printed and written to
-``benchmarks/results/stream_engine_<size>[_bf16][_threads<N>][_burst].{md,json}``.
+``benchmarks/results/stream_engine_<size>[_bf16][_threads<N>][_burst][_pinned].{md,json}``.
 Everything (load generator, gateway, Redis, both workers) shares this machine, so each
-scenario also records the CPU seconds every process spent and the load average.
+scenario also records the CPU seconds every process spent, the load average and the Redis
+commands served per token.
 """
 
 from __future__ import annotations
