@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import redis
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextIteratorStreamer
@@ -206,7 +207,7 @@ async def sse_stream(session: aiohttp.ClientSession, url: str, model: str, pool:
             now = time.perf_counter()
             if not line.startswith(b"data: {"):
                 continue
-            chunk = json.loads(line[6:])
+            chunk = msgspec.json.decode(line[6:])
             if "error" in chunk:
                 trace.status = chunk["error"].get("status") or 599
             elif chunk["choices"] and chunk["choices"][0]["text"]:
