@@ -190,8 +190,12 @@ class Worker:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
         requests = [EngineRequest(id=r.id, sampling=r.sampling, deadline=r.deadline, prompt=r.prompt,
                                   messages=r.messages) for r, _, _ in fresh]
-        long = [r for r in requests if _prompt_chars(r) > PREPARE_INLINE_CHARS]
-        self._adds.extend(self._prepared(r) for r in requests if _prompt_chars(r) <= PREPARE_INLINE_CHARS)
+        long: list[EngineRequest] = []
+        for r in requests:
+            if _prompt_chars(r) > PREPARE_INLINE_CHARS:
+                long.append(r)
+            else:
+                self._adds.append(self._prepared(r))
         self._engine_wake.set()
         self._preparing += len(long)
         for coro in (self._prepare(long), self._abort_cancelled([r.id for r in requests])):
