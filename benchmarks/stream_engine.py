@@ -618,7 +618,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
         f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client and at least "
-        f"{args.min_requests} per level. {arrivals_text(args)} "
+        f"{args.min_measured} measured per level. {arrivals_text(args)} "
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
         f"{pinned_text(threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 character "
@@ -628,8 +628,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"tokens. transformers rows: in process, one thread per stream, 1 torch thread; 'chunks' times what "
         f"TextIteratorStreamer yields (held to word boundaries), 'tokens' times its put(). CPU s: seconds each "
         f"process spent in the scenario ('worker' is the serving one); load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 64 samples the "
-        f"second largest, of 16 or fewer the largest. Measured: every request but each client's first. "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 100 samples the "
+        f"second largest, of 16 or fewer the largest (the ramp). Measured: every request but each client's first. "
         f"The first requests are the ramp, sent while the clients are still joining: with starts spread over a "
         f"lifetime at one stream they arrive faster than N streams in steady state would (a model whose steps slow "
         f"with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99', of the N first requests: the "
@@ -730,7 +730,7 @@ def make_prompts(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -
         return [random_prompt(tokenizer, rng, rng.randint(16, args.prompt_tokens)) for _ in range(n)]
 
     def level(clients: int) -> Level:
-        prompts = shorts(max(clients * args.rounds, args.min_requests))
+        prompts = shorts(max(clients * args.rounds, clients + args.min_measured))
         if args.arrivals == "burst":
             return Level([(p, args.max_tokens) for p in prompts], [0.0] * clients)
         low, high = max_tokens_range(args.max_tokens)
@@ -751,8 +751,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
     parser.add_argument("--rounds", type=int, default=8, help="requests per client at each level")
-    parser.add_argument("--min-requests", type=int, default=32,
-                        help="requests per level at least (a level of few clients gets more rounds)")
+    parser.add_argument("--min-measured", type=int, default=100,
+                        help="steady-state requests per level at least (a level of few clients gets more rounds): "
+                             "the P99 of fewer than 100 is their largest, one stall on a shared host")
     parser.add_argument("--max-tokens", type=int, default=32,
                         help="every request's max_tokens (burst), or the middle of their range (staggered)")
     parser.add_argument("--arrivals", choices=["staggered", "burst"], default="staggered",

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from engines.paged import native
 
@@ -128,11 +127,5 @@ def _decode_attention(
     return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """Masks are built per sequence inside :func:`paged_attention`, never as one dense tensor."""
-    return None
-
-
 def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

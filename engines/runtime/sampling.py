@@ -60,12 +60,16 @@ def sample(
     logits = logits.to(torch.float32, copy=bool(adjusted))
     for i in adjusted:
         _adjust_row(logits[i], params[i], histories[i], eos_token_ids)
-    tokens = logits.argmax(dim=-1).tolist()
+    greedy = [i for i, p in enumerate(params) if is_greedy(p)]
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
+    tokens = [0] * len(params)
+    if greedy:
+        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            tokens[i] = token
     if sampled:
-        probs = _filtered_probs(logits[sampled], [params[i] for i in sampled])
-        for row, i in enumerate(sampled):
-            tokens[i] = int(torch.multinomial(probs[row], 1, generator=generators[i]).item())
+        drawn = _sample_rows(logits[sampled], [params[i] for i in sampled], [generators[i] for i in sampled])
+        for i, token in zip(sampled, drawn):
+            tokens[i] = token
     return tokens
 
 
@@ -83,24 +87,71 @@ def _adjust_row(
         row[torch.tensor(banned, device=row.device)] = float("-inf")
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Softmax with temperature, then top-k and top-p masks, done on one sorted copy."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-    logits = logits / temperature
-    vocab = logits.shape[1]
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """Softmax with temperature; rows with top-k or top-p draw from their filtered candidates."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    vocab = probs.shape[1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if min(top_k) == vocab and min(top_p) >= 1.0:
-        return torch.softmax(logits, dim=-1)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    drop = ranks >= torch.tensor(top_k, device=device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    filtered = [i for i, p in enumerate(params) if top_k[i] < vocab or p.top_p < 1.0]
+    plain = [i for i in range(len(params)) if top_k[i] == vocab and params[i].top_p >= 1.0]
+    tokens = [0] * len(params)
+    if plain:
+        for i, token in zip(plain, _draw(probs[plain], [generators[i] for i in plain]).tolist()):
+            tokens[i] = token
+    if filtered:
+        kept, ids = _nucleus(probs[filtered], [top_k[i] for i in filtered], [params[i].top_p for i in filtered])
+        columns = _draw(kept, [generators[i] for i in filtered])
+        for i, token in zip(filtered, ids.gather(1, columns.unsqueeze(1)).squeeze(1).tolist()):
+            tokens[i] = token
+    return tokens
+
+
+_CANDIDATE_WIDTHS = (64, 1024)
+"""How many of the likeliest tokens top-k and top-p look at before sorting the whole
+vocabulary. On CPU, sorting 16 rows of a 32k vocabulary takes about 40 ms a step; their 64
+likeliest tokens, about 1 ms, and those usually hold the whole nucleus."""
+
+
+def _nucleus(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probabilities top-k then top-p keep (zero where they drop a token; top-p applies to
+    the top-k distribution renormalized), over the likeliest tokens, and their ids.
+
+    The candidates widen until every row's filter ends inside them: its top-k fits, or, with
+    no top-k, the candidates hold at least its top-p of the mass. So the result is exactly what
+    filtering the fully sorted vocabulary gives."""
+    vocab = probs.shape[1]
+    for width in (*(w for w in _CANDIDATE_WIDTHS if w < vocab), vocab):
+        values, ids = probs.topk(width, dim=-1)
+        masses = values.sum(dim=-1).tolist()
+        if width == vocab or all(k <= width or (k == vocab and mass >= p)
+                                 for k, p, mass in zip(top_k, top_p, masses)):
+            break
+    device = probs.device
+    ranks = torch.arange(width, device=device).unsqueeze(0)
+    k = torch.tensor(top_k, device=device).unsqueeze(1)
+    values = values.masked_fill(ranks >= k, 0.0)
+    # a row without top-k keeps the whole vocabulary's mass (1), not just the candidates'
+    values = values / torch.where(k < vocab, values.sum(dim=-1, keepdim=True), 1.0)
+    before = values.cumsum(dim=-1) - values
     drop = before >= torch.tensor(top_p, device=device).unsqueeze(1)
     drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return torch.softmax(filtered, dim=-1)
+    return values.masked_fill(drop, 0.0), ids
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One column per row by inverse CDF, from a single uniform number per row (the row's own
+    generator's when seeded). ``torch.multinomial`` draws a random number per vocabulary entry
+    instead: on CPU that was a third of a 16-stream step on the tiny model, and tens of
+    milliseconds a step with a 32k vocabulary."""
+    uniform = torch.rand(len(generators), device=probs.device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniform[row] = torch.rand((), generator=generator, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so the first entry above the target always has mass
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

@@ -95,3 +95,55 @@ def test_penalties_push_away_from_repeated_tokens():
     assert sample(x, [presence], [None], [history]) == [4]
     presence = SamplingParams(temperature=0, presence_penalty=0.6)
     assert sample(x, [presence], [None], [history]) == [9]
+
+
+def test_draws_follow_each_rows_distribution():
+    wanted = [torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0]), torch.tensor([0.0, 0.1, 0.0, 0.2, 0.7])]
+    x = torch.log(torch.stack(wanted))
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, seed=11)]
+    gens = [make_generator(p, "cpu") for p in params]
+    draws = 4000
+    counts = torch.zeros(2, 5)
+    for _ in range(draws):
+        for row, token in enumerate(sample(x, params, gens, [[], []])):
+            counts[row, token] += 1
+    for row in range(2):
+        assert counts[row][wanted[row] == 0].sum() == 0, "a token without mass was drawn"
+        assert torch.allclose(counts[row] / draws, wanted[row], atol=0.03), (row, counts[row] / draws)
+
+
+def _reference_nucleus(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """Top-k then top-p over the fully sorted vocabulary."""
+    probs, order = torch.softmax(row, dim=-1).sort(descending=True)
+    probs = probs[:top_k] / probs[:top_k].sum()
+    before = probs.cumsum(dim=0) - probs
+    keep = int((before < top_p).sum())
+    return set(order[: max(1, keep)].tolist())
+
+
+def test_top_p_beyond_the_first_candidates_matches_a_full_sort():
+    vocab = 3000
+    # a flat, strictly ordered distribution: the 0.9 nucleus holds most of the vocabulary
+    flat = torch.linspace(1.0, 0.0, vocab).unsqueeze(0)
+    peaked = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 4
+    rows = torch.cat([flat, peaked])
+    cases = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_p=0.5, seed=2)]
+    gens = [make_generator(p, "cpu") for p in cases]
+    drawn: list[set[int]] = [set(), set()]
+    for _ in range(1500):
+        for row, token in enumerate(sample(rows, cases, gens, [[], []])):
+            drawn[row].add(token)
+    for row, params in enumerate(cases):
+        nucleus = _reference_nucleus(rows[row], vocab, params.top_p)
+        assert drawn[row] <= nucleus
+    assert max(drawn[0]) > 1024, "the flat row's nucleus reaches past the widest candidate set"
+    assert len(drawn[1]) > 1
+
+
+def test_top_k_with_top_p_renormalizes_before_the_nucleus():
+    x = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1] + [0.0] * 100]) + 1e-12)
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=4)
+    gen = make_generator(params, "cpu")
+    drawn = {sample(x, [params], [gen], [[]])[0] for _ in range(300)}
+    # over the top 2 renormalized (0.57, 0.43) the 0.5 nucleus is the first token alone
+    assert drawn == {0}
