@@ -628,8 +628,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"tokens. transformers rows: in process, one thread per stream, 1 torch thread; 'chunks' times what "
         f"TextIteratorStreamer yields (held to word boundaries), 'tokens' times its put(). CPU s: seconds each "
         f"process spent in the scenario ('worker' is the serving one); load average "
-        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 100 samples the "
-        f"second largest, of 16 or fewer the largest (the ramp). Measured: every request but each client's first. "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 200 samples the "
+        f"third largest, of 16 or fewer the largest (the ramp). Measured: every request but each client's first. "
         f"The first requests are the ramp, sent while the clients are still joining: with starts spread over a "
         f"lifetime at one stream they arrive faster than N streams in steady state would (a model whose steps slow "
         f"with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99', of the N first requests: the "
@@ -751,7 +751,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
     parser.add_argument("--rounds", type=int, default=8, help="requests per client at each level")
-    parser.add_argument("--min-measured", type=int, default=100,
+    parser.add_argument("--min-measured", type=int, default=200,
                         help="steady-state requests per level at least (a level of few clients gets more rounds): "
                              "the P99 of fewer than 100 is their largest, one stall on a shared host")
     parser.add_argument("--max-tokens", type=int, default=32,

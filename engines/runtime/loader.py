@@ -34,13 +34,21 @@ class LoadedModel:
         if messages is not None:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ValueError(f"model {self.model_id} has no chat template; send a prompt")
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            return list(ids)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._ids(text, add_special_tokens=False)
         if prompt is None:
             raise ValueError("a request needs a prompt or messages")
-        return list(self.tokenizer(prompt).input_ids)
+        return self._ids(prompt, add_special_tokens=True)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A fast tokenizer's Rust encoder, called on this thread. transformers' ``__call__``
+        hands even one text to the tokenizers thread pool: on a worker whose cores are busy,
+        waiting for a pool thread took about ten times as long as tokenizing, and it stalled
+        the event loop that forwards every stream's tokens."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def resolve_device(device: str) -> torch.device:

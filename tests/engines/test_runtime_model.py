@@ -43,3 +43,15 @@ def test_random_weights_greedy_output_is_not_degenerate(tiny_model_dir: Path):
     out = loaded.model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
     new = out[0, ids.shape[1] :].tolist()
     assert len(set(new)) > 8
+
+
+def test_encode_gives_the_ids_transformers_gives(tiny_model_dir: Path):
+    loaded = load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+    tok = loaded.tokenizer
+    texts = ["hello 世界", "  leading spaces and\ttabs\n\nnew lines ", "emoji 🚀🧾 and é", "<|im_start|> inside text",
+             "a" * 3000, ""]
+    for text in texts:
+        assert loaded.encode(text, None) == tok(text).input_ids, text
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+        expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert loaded.encode(None, messages) == list(expected), text
