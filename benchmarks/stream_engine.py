@@ -20,7 +20,8 @@ drawn (seeded) between half and 1.5x ``--max-tokens``, and each client starts at
 random offset within one request's lifetime (or ``--stagger-ms``), so streams do not finish,
 and their successors do not arrive, in the same step. Each client's first request is the ramp
 (clients still joining) and is reported apart; the other columns are the steady state, with
-the contenders taking turns at each level. ``--arrivals burst`` gives every request the same
+the contenders taking turns at each level, and the levels in turn too (``--cycles`` rounds of
+1, 4 and 16 streams), so the one-stream baseline sees the same host as the 16 streams. ``--arrivals burst`` gives every request the same
 ``max_tokens`` and starts all clients at once: every round then arrives as one burst of
 prefills, the worst case for TTFT rather than a typical one. ``--pin`` gives the serving
 worker CPUs of its own.
@@ -391,7 +392,7 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         f"{name} engine, in process", meter,
         lambda level, engine=engine: engine_closed_loop(engine, level),
         lambda shorts, big, engine=engine: engine_long_prefill(engine, shorts, big, args.long_short_tokens),
-    ) for name, engine in engines.items()], prompts, args.stagger_ms)
+    ) for name, engine in engines.items()], prompts, args.stagger_ms, args.cycles)
     torch.set_num_threads(1)
     return rows, prefill, fit
 
@@ -404,21 +405,31 @@ class Contender:
     long_prefill: Callable[[list[str], str | None], dict[str, Any]]
 
 
-def take_turns(contenders: list[Contender], prompts: Prompts,
-               stagger_ms: float | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Each load level, then the long-prompt scenario, the contenders taking turns at each
+def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float | None,
+               cycles: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The load levels, then the long-prompt scenario, the contenders taking turns at each
     (rows come out grouped by contender), so a host that speeds up or slows down over the
-    run favours none of them."""
+    run favours none of them. The levels themselves run in ``cycles`` rounds (1, 4, 16 streams,
+    then again), each level's requests split among them: the one-stream baseline and the
+    16-stream figure it is held against then sample the same stretches of host noise."""
+    traces: dict[tuple[str, int], list[Trace]] = {}
+    cpus: dict[tuple[str, int], dict[str, float]] = {}
+    spreads = {c.label: Spread(stagger_ms) for c in contenders}
+    for cycle in range(cycles):
+        for level, batch in prompts.levels.items():
+            for c in contenders:
+                spread = spreads[c.label]
+                got, cpu = c.meter.measure(lambda: c.closed_loop(spread.level(batch.part(cycle, cycles))))
+                spread.learn(got)
+                traces.setdefault((c.label, level), []).extend(got)
+                total = cpus.setdefault((c.label, level), {})
+                for k, v in cpu.items():
+                    total[k] = total.get(k, 0.0) + v
     rows: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
     prefill: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
-    spreads = {c.label: Spread(stagger_ms) for c in contenders}
-    for level, batch in prompts.levels.items():
-        for c in contenders:
-            spread = spreads[c.label]
-            traces, cpu = c.meter.measure(lambda: c.closed_loop(spread.level(batch)))
-            rows[c.label].append(latency_row(c.label, level, traces, cpu, spread.seconds))
-            spread.learn(traces)
-            print(json.dumps(rows[c.label][-1]), flush=True)
+    for (label, level), got in traces.items():
+        rows[label].append(latency_row(label, level, got, cpus[(label, level)], spreads[label].seconds))
+        print(json.dumps(rows[label][-1]), flush=True)
     for repeat, (control, beside, long) in enumerate(prompts.long, 1):
         for shorts, big in ((control, None), (beside, long)):
             for c in contenders:
@@ -618,7 +629,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
         f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client and at least "
-        f"{args.min_measured} measured per level. {arrivals_text(args)} "
+        f"{args.min_measured} measured per level, the levels run in {args.cycles} rounds (1, 4, 16, 1, 4, 16, ...; "
+        f"the contenders alternating at each). {arrivals_text(args)} "
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
         f"{pinned_text(threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 character "
@@ -629,11 +641,10 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"TextIteratorStreamer yields (held to word boundaries), 'tokens' times its put(). CPU s: seconds each "
         f"process spent in the scenario ('worker' is the serving one); load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 200 samples the "
-        f"third largest, of 16 or fewer the largest (the ramp). Measured: every request but each client's first. "
-        f"The first requests are the ramp, sent while the clients are still joining: with starts spread over a "
-        f"lifetime at one stream they arrive faster than N streams in steady state would (a model whose steps slow "
-        f"with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99', of the N first requests: the "
-        f"largest).",
+        f"third largest, of 64 the second largest (the ramp of 16 streams in 4 rounds). Measured: every request but "
+        f"each client's first in each round. The first requests are the ramp, sent while the clients are still "
+        f"joining: with starts spread over a lifetime at one stream they arrive faster than N streams in steady state "
+        f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99').",
         "",
         latency,
         "",
@@ -686,6 +697,13 @@ class Level:
     def spread_over(self, seconds: float) -> Level:
         return Level(self.requests, [f * seconds for f in self.offsets])
 
+    def part(self, index: int, parts: int) -> Level:
+        """The ``index``-th of ``parts`` rounds of this level: every client gets its share."""
+        clients = len(self.offsets)
+        rounds = len(self.requests) // clients
+        lo, hi = rounds * index // parts * clients, rounds * (index + 1) // parts * clients
+        return Level(self.requests[lo:hi], self.offsets)
+
 
 class Spread:
     """How far apart the clients of a level start: ``--stagger-ms`` when given, else one
@@ -730,7 +748,7 @@ def make_prompts(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -
         return [random_prompt(tokenizer, rng, rng.randint(16, args.prompt_tokens)) for _ in range(n)]
 
     def level(clients: int) -> Level:
-        prompts = shorts(max(clients * args.rounds, clients + args.min_measured))
+        prompts = shorts(clients * max(args.rounds, args.cycles + -(-args.min_measured // clients)))
         if args.arrivals == "burst":
             return Level([(p, args.max_tokens) for p in prompts], [0.0] * clients)
         low, high = max_tokens_range(args.max_tokens)
@@ -754,6 +772,9 @@ def main() -> None:
     parser.add_argument("--min-measured", type=int, default=200,
                         help="steady-state requests per level at least (a level of few clients gets more rounds): "
                              "the P99 of fewer than 100 is their largest, one stall on a shared host")
+    parser.add_argument("--cycles", type=int, default=4,
+                        help="rounds over the levels (1, 4, 16, 1, 4, 16, ...), each with a share of every level's "
+                             "requests; each client's first request of a round is part of that round's ramp")
     parser.add_argument("--max-tokens", type=int, default=32,
                         help="every request's max_tokens (burst), or the middle of their range (staggered)")
     parser.add_argument("--arrivals", choices=["staggered", "burst"], default="staggered",
@@ -837,7 +858,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 lambda level, pool=pool: asyncio.run(closed_loop(stack.url, model, pool, level)),
                 lambda shorts, big, pool=pool: asyncio.run(long_prefill(stack.url, model, pool, shorts, big,
                                                                         args.long_short_tokens)),
-            ) for engine, pool in POOLS.items()], prompts, args.stagger_ms)
+            ) for engine, pool in POOLS.items()], prompts, args.stagger_ms, args.cycles)
         finally:
             stack.stop()
             redis.stop()
