@@ -21,10 +21,10 @@ random offset within one request's lifetime (or ``--stagger-ms``), so streams do
 and their successors do not arrive, in the same step. Each client's first request is the ramp
 (clients still joining) and is reported apart; the other columns are the steady state, with
 the contenders taking turns at each level, and the levels in turn too (``--cycles`` rounds of
-1, 4 and 16 streams), so the one-stream baseline sees the same host as the 16 streams. ``--arrivals burst`` gives every request the same
-``max_tokens`` and starts all clients at once: every round then arrives as one burst of
-prefills, the worst case for TTFT rather than a typical one. ``--pin`` gives the serving
-worker CPUs of its own.
+1, 4 and 16 streams), so the one-stream baseline sees the same host as the 16 streams.
+``--arrivals burst`` gives every request the same ``max_tokens`` and starts all clients at
+once: every round then arrives as one burst of prefills, the worst case for TTFT rather than
+a typical one. ``--pin`` gives the serving worker CPUs of its own.
 
 A client sees text chunks, not tokens: a token that is part of a UTF-8 character carries no
 text, so one chunk gap can span several engine steps. The gateway rows ask for running usage

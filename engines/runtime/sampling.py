@@ -144,7 +144,7 @@ def _nucleus(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One column per row by inverse CDF, from a single uniform number per row (the row's own
     generator's when seeded). ``torch.multinomial`` draws a random number per vocabulary entry
-    instead: on CPU that was a third of a 16-stream step on the tiny model, and tens of
+    instead: on CPU that was a quarter of a 16-stream step on the tiny model, and tens of
     milliseconds a step with a 32k vocabulary."""
     uniform = torch.rand(len(generators), device=probs.device)
     for row, generator in enumerate(generators):
