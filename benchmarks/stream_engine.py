@@ -134,8 +134,9 @@ def gap_stats(series: list[list[tuple[float, float]]], start: float, end: float)
 
 
 class CpuMeter:
-    """CPU seconds of named processes (from /proc) and of this one around a call: on a
-    shared machine, which process burned the cores says more than wall time. With a Redis,
+    """CPU seconds of named processes, with their children (a worker's engine process), from
+    /proc, and of this one around a call: on a shared machine, which process burned the cores
+    says more than wall time. With a Redis,
     also the commands it served (``redis_commands``), a count no host noise moves."""
 
     def __init__(self, pids: dict[str, int], redis_url: str | None = None) -> None:
@@ -146,11 +147,15 @@ class CpuMeter:
     def _read(self) -> dict[str, float]:
         out = {"client": time.process_time()}
         for name, pid in self.pids.items():
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / self._tick
+            out[name] = self._cpu_s(pid)
         if self._redis is not None:
             out["redis_commands"] = self._redis.info("stats")["total_commands_processed"]
         return out
+
+    def _cpu_s(self, pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return (int(fields[11]) + int(fields[12])) / self._tick + sum(self._cpu_s(int(c)) for c in children)
 
     def measure(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
         before, wall = self._read(), time.perf_counter()
@@ -633,13 +638,14 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"the contenders alternating at each). {arrivals_text(args)} "
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
+        f"{', the engine on a thread of the worker (--engine-in-worker)' if args.engine_in_worker else ', each engine in a process of its own'}"
         f"{pinned_text(threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 character "
         f"carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
         f"a chunk whose running usage shows it carries exactly one token. 'in process' rows: the same engines "
         f"and loop with no gateway, Redis or worker, timed as outputs leave step(): token gaps are between "
         f"tokens. transformers rows: in process, one thread per stream, 1 torch thread; 'chunks' times what "
         f"TextIteratorStreamer yields (held to word boundaries), 'tokens' times its put(). CPU s: seconds each "
-        f"process spent in the scenario ('worker' is the serving one); load average "
+        f"process spent in the scenario ('worker' is the serving one with its engine process); load average "
         f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end. P99 is nearest rank: of 200 samples the "
         f"third largest, of 64 the second largest (the ramp of 16 streams in 4 rounds). Measured: every request but "
         f"each client's first in each round. The first requests are the ramp, sent while the clients are still "
@@ -793,6 +799,9 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="gateway rows: the serving worker on CPUs of its own (the last --threads), the gateway, "
                              "Redis and the load generator on the rest")
+    parser.add_argument("--engine-in-worker", action="store_true",
+                        help="workers step their engine on a thread (slogate worker --in-process), not in a "
+                             "process of their own")
     parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -821,6 +830,7 @@ def main() -> None:
     name += f"_threads{args.threads}" if args.threads else ""
     name += "_burst" if args.arrivals == "burst" else ""
     name += "_pinned" if args.pin else ""
+    name += "_engine_in_worker" if args.engine_in_worker else ""
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "long_prompt_tokens": long_tokens, "stream_engine_warmup_fit": fits, "rows": rows,
@@ -842,8 +852,10 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
             stack.gateway(*(["--cpus", layout[0]] if layout else []))
             dtype = f'dtype="{args.dtype}"'
             cpus = layout[1] if layout else None
-            workers = {"stream": stack.worker("interactive", "stream", dtype, f"max_batch={args.max_batch}", cpus=cpus),
-                       "paged": stack.worker("batch", "paged", dtype, cpus=cpus)}
+            inside = args.engine_in_worker
+            workers = {"stream": stack.worker("interactive", "stream", dtype, f"max_batch={args.max_batch}",
+                                              cpus=cpus, in_process=inside),
+                       "paged": stack.worker("batch", "paged", dtype, cpus=cpus, in_process=inside)}
             if layout:
                 for pid in (0, redis.proc.pid):
                     os.sched_setaffinity(pid, parse_cpus(layout[0]))

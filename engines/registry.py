@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 from engines.base import Engine
+from engines.engine_process import EngineProcess
+from slogate import logs
 
 ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
 TORCH_ENGINES = {"stream", "paged"}
@@ -41,3 +45,24 @@ def create_engine(name: str, model: str | None, options: dict[str, Any], threads
 
         torch.set_num_threads(threads)
     return module.create(model, **options)
+
+
+def start_engine_process(name: str, model: str | None, options: dict[str, Any], threads: int | None = None,
+                         log_level: str = "info", log_format: str = "json") -> EngineProcess:
+    """Build engine ``name`` in a process of its own (see :mod:`engines.engine_process`);
+    this process keeps the tokenizer, so prompts are tokenized beside the engine's steps."""
+    proc = EngineProcess(partial(_create_logged, name, model, options, threads, log_level, log_format))
+    if name in TORCH_ENGINES and model:
+        from transformers import AutoTokenizer
+
+        from engines.runtime.loader import encode_prompt
+
+        model_id = Path(model).name if Path(model).is_dir() else model
+        proc.encode = partial(encode_prompt, AutoTokenizer.from_pretrained(model), model_id)
+    return proc
+
+
+def _create_logged(name: str, model: str | None, options: dict[str, Any], threads: int | None,
+                   log_level: str, log_format: str) -> Engine:
+    logs.setup(log_level, log_format)
+    return create_engine(name, model, options, threads)

@@ -29,6 +29,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError, ResponseError
 
 from engines.base import Engine, EngineRequest, StepOutput
+from engines.engine_process import EngineProcess, Step
 from engines.metrics import WorkerMetrics
 from slogate import keys, protocol, tracing
 from slogate.config import Config
@@ -66,7 +67,7 @@ class _InFlight:
 
 
 class Worker:
-    def __init__(self, engine: Engine, redis: aioredis.Redis, settings: WorkerSettings,
+    def __init__(self, engine: Engine | EngineProcess, redis: aioredis.Redis, settings: WorkerSettings,
                  sealer: Sealer | None = None) -> None:
         self.engine = engine
         self.sealer = sealer or Sealer()
@@ -195,8 +196,7 @@ class Worker:
             if _prompt_chars(r) > PREPARE_INLINE_CHARS:
                 long.append(r)
             else:
-                self._adds.append(self._prepared(r))
-        self._engine_wake.set()
+                self._submit(self._prepared(r))
         self._preparing += len(long)
         for coro in (self._prepare(long), self._abort_cancelled([r.id for r in requests])):
             task = asyncio.create_task(coro)
@@ -222,7 +222,9 @@ class Worker:
                 self._preparer, lambda: [self._prepared(r) for r in requests])
         finally:
             # queued before the count drops, so a stopping engine thread never sees neither
-            self._adds.extend(r for r in prepared if r.id in self.inflight)
+            for r in prepared:
+                if r.id in self.inflight:
+                    self._submit(r)
             self._preparing -= len(requests)
             self._engine_wake.set()
 
@@ -263,7 +265,11 @@ class Worker:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         sender = asyncio.create_task(self._sender(done))
-        threading.Thread(target=self._engine_thread, args=(loop, done), name="engine", daemon=True).start()
+        driver = None
+        if isinstance(self.engine, EngineProcess):
+            driver = asyncio.create_task(self._read_engine_process(self.engine, done))
+        else:
+            threading.Thread(target=self._engine_thread, args=(loop, done), name="engine", daemon=True).start()
         try:
             await asyncio.shield(done)
             self._send_wake.set()
@@ -271,9 +277,40 @@ class Worker:
         finally:
             self._halt.set()
             self._engine_wake.set()
-            if not sender.done():
-                sender.cancel()
-                await asyncio.gather(sender, return_exceptions=True)
+            for task in (sender, driver):
+                if task is not None and not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            if isinstance(self.engine, EngineProcess):
+                self.engine.close(1.0)
+
+    async def _read_engine_process(self, engine: EngineProcess, done: asyncio.Future[None]) -> None:
+        """Hand each step's report from an engine process to the same bookkeeping as the
+        engine thread's, and tell the process to finish once the worker stops with nothing
+        held. Its death ends the worker (:class:`engines.engine_process.EngineDied`), whose
+        unfinished requests stay pending for other workers."""
+        await engine.attach()
+        finisher = asyncio.create_task(self._finish_engine_process(engine))
+        outcome: BaseException | None = None
+        try:
+            while (report := await engine.next()) is not None:
+                if isinstance(report, Step):
+                    self._on_step(report.outputs, report.seconds)
+                else:
+                    log.error("engine step failed; failing the %d request(s) it held: %s",
+                              len(report.request_ids), report.error)
+                    self._on_engine_failure(report.request_ids)
+        except Exception as exc:  # noqa: BLE001 - whatever ended the engine must reach run()
+            outcome = exc
+        finally:
+            finisher.cancel()
+        _settle(done, outcome)
+
+    async def _finish_engine_process(self, engine: EngineProcess) -> None:
+        await self._stopping.wait()
+        while self.inflight or self._preparing:
+            await asyncio.sleep(0.01)
+        engine.finish()
 
     def _engine_thread(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]) -> None:
         """Apply adds and aborts, step, hand over: the engine is touched from this thread only."""
@@ -322,12 +359,22 @@ class Worker:
             held.discard(request_id)
             self.engine.abort_request(request_id)
 
+    def _submit(self, request: EngineRequest) -> None:
+        if isinstance(self.engine, EngineProcess):
+            self.engine.add(request)
+        else:
+            self._adds.append(request)
+            self._engine_wake.set()
+
     def _abort(self, request_id: str) -> _InFlight | None:
         """Forget a held request here and have the engine free it before its next step."""
         job = self.inflight.pop(request_id, None)
         if job is not None:
-            self._aborts.append(request_id)
-            self._engine_wake.set()
+            if isinstance(self.engine, EngineProcess):
+                self.engine.abort(request_id)
+            else:
+                self._aborts.append(request_id)
+                self._engine_wake.set()
         return job
 
     def _on_step(self, outputs: list[StepOutput], seconds: float) -> None:
@@ -554,7 +601,7 @@ model, 16 streams through the gateway, two runs each: TTFT P99 32 and 52 ms agai
 61 ms at 5 ms)."""
 
 
-async def run_worker(engine: Engine, cfg: Config, pool: str, grace_s: float = 30.0,
+async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, grace_s: float = 30.0,
                      metrics_port: int = 0) -> None:
     """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
     tracing.setup("slogate-worker")

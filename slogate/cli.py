@@ -45,7 +45,7 @@ def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
-    from engines.registry import create_engine
+    from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
     from engines.worker import run_worker
     from slogate.cpus import pin_to
     from slogate.up import worker_threads
@@ -57,7 +57,11 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     pool_cfg = cfg.pools.get(args.pool)
     engine_name = args.engine or (pool_cfg.engine if pool_cfg else "sim")
     options = {**(pool_cfg.options if pool_cfg else {}), **_engine_options(args.option)}
-    engine = create_engine(engine_name, args.model or cfg.model, options, threads=worker_threads(cfg, threads))
+    model, threads = args.model or cfg.model, worker_threads(cfg, threads)
+    if engine_name in TORCH_ENGINES and not args.in_process:
+        engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format)
+    else:
+        engine = create_engine(engine_name, model, options, threads=threads)
     _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
 
 
@@ -127,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "workers, as `slogate up` sets them; with --cpus, one per CPU)")
     wk.add_argument("--cpus", help="run on these CPUs only, e.g. 1 or 2-5: cores of its own keep a latency-bound "
                                    "worker's steps from waiting on other processes (default: any)")
+    wk.add_argument("--in-process", action="store_true",
+                    help="step the engine on a thread of the worker, not in a process of its own (the "
+                         "default for the stream and paged engines, so the engine's Python and the "
+                         "worker's Redis I/O never wait for each other's GIL)")
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)

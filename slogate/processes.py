@@ -54,8 +54,10 @@ class Stack:
         self.wait_http("/healthz")
         return proc
 
-    def worker(self, pool: str, engine: str = "sim", *options: str, cpus: str | None = None) -> subprocess.Popen[bytes]:
+    def worker(self, pool: str, engine: str = "sim", *options: str, cpus: str | None = None,
+               in_process: bool = False) -> subprocess.Popen[bytes]:
         args = ["worker", "--pool", pool, "--engine", engine] + (["--cpus", cpus] if cpus else [])
+        args += ["--in-process"] if in_process else []
         for opt in options:
             args += ["-o", opt]
         return self._spawn(*args)

@@ -29,26 +29,32 @@ class LoadedModel:
     eos_token_ids: set[int] = field(default_factory=set)
 
     def encode(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
-        """Token ids for a completion prompt, or for chat messages through the chat template
-        (ending with the assistant's turn opened, so the model answers)."""
-        if messages is not None:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"model {self.model_id} has no chat template; send a prompt")
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return self._ids(text, add_special_tokens=False)
-        if prompt is None:
-            raise ValueError("a request needs a prompt or messages")
-        return self._ids(prompt, add_special_tokens=True)
+        return encode_prompt(self.tokenizer, self.model_id, prompt, messages)
 
-    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
-        """A fast tokenizer's Rust encoder, called on this thread. transformers' ``__call__``
-        hands even one text to the tokenizers thread pool: on a worker whose cores are busy,
-        waiting for a pool thread took about ten times as long as tokenizing, and it stalled
-        the event loop that forwards every stream's tokens."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+    """Token ids for a completion prompt, or for chat messages through the chat template
+    (ending with the assistant's turn opened, so the model answers). A function of the
+    tokenizer alone, so a worker can tokenize while its engine runs in another process."""
+    if messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"model {model_id} has no chat template; send a prompt")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return _ids(tokenizer, text, add_special_tokens=False)
+    if prompt is None:
+        raise ValueError("a request needs a prompt or messages")
+    return _ids(tokenizer, prompt, add_special_tokens=True)
+
+
+def _ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
+    """A fast tokenizer's Rust encoder, called on this thread. transformers' ``__call__``
+    hands even one text to the tokenizers thread pool: on a worker whose cores are busy,
+    waiting for a pool thread took about ten times as long as tokenizing, and it stalled
+    the event loop that forwards every stream's tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def resolve_device(device: str) -> torch.device:
