@@ -638,7 +638,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"the contenders alternating at each). {arrivals_text(args)} "
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
-        f"{', the engine on a thread of the worker (--engine-in-worker)' if args.engine_in_worker else ', each engine in a process of its own'}"
+        f"{engine_place_text(args)}"
         f"{pinned_text(threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 character "
         f"carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
         f"a chunk whose running usage shows it carries exactly one token. 'in process' rows: the same engines "
@@ -876,6 +876,12 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
             redis.stop()
             os.sched_setaffinity(0, everywhere)
     return rows, prefill, fit
+
+
+def engine_place_text(args: argparse.Namespace) -> str:
+    if args.engine_in_worker:
+        return ", each engine on a thread of its worker (--engine-in-worker)"
+    return ", each engine in a process of its own beside its worker"
 
 
 def pinned_text(threads: int) -> str:

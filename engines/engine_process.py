@@ -69,6 +69,8 @@ class EngineProcess:
         self._proc = ctx.Process(target=_serve, args=(child, factory), name="engine", daemon=True)
         self._proc.start()
         child.close()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader: asyncio.StreamReader | None = None
         self.encode: Encoder | None = None
         """Tokenizes requests in this process, beside the engine's steps; without it the
         engine tokenizes between two of them."""
@@ -82,8 +84,6 @@ class EngineProcess:
             self.close(5)
             raise RuntimeError(f"the engine process could not build its engine: {body[0]}")
         self.name, self.model_id, self.max_context, self._load = body
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader: asyncio.StreamReader | None = None
 
     def prepare(self, request: EngineRequest) -> EngineRequest:
         if self.encode is None or request.prompt_ids is not None:
@@ -114,14 +114,18 @@ class EngineProcess:
     async def next(self) -> Step | Failure | None:
         """The engine's next report; None once it finished after :meth:`finish`."""
         assert self._reader is not None, "attach() first"
-        try:
-            size = _HEADER.unpack(await self._reader.readexactly(_HEADER.size))[0]
-            kind, *body = pickle.loads(await self._reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            await asyncio.to_thread(self._proc.join, 5)
-            if self._proc.exitcode == 0:
-                return None
-            raise EngineDied(f"the engine process exited with code {self._proc.exitcode}") from exc
+        kind = "load"
+        while kind == "load":
+            try:
+                size = _HEADER.unpack(await self._reader.readexactly(_HEADER.size))[0]
+                kind, *body = pickle.loads(await self._reader.readexactly(size))
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                await asyncio.to_thread(self._proc.join, 5)
+                if self._proc.exitcode == 0:
+                    return None
+                raise EngineDied(f"the engine process exited with code {self._proc.exitcode}") from exc
+            if kind == "load":
+                self._load = body[0]
         if kind == "step":
             outputs, seconds, self._load = body
             return Step(outputs, seconds)
@@ -174,7 +178,6 @@ def _serve(sock: socket.socket, factory: Callable[[], Engine]) -> None:
     try:
         engine = factory()
     except Exception as exc:  # noqa: BLE001 - whatever stops the engine from building, the worker reports it
-        log.exception("building the engine failed")
         sock.sendall(_frame(("error", f"{type(exc).__name__}: {exc}")))
         return
     freeze_startup_heap()
@@ -188,10 +191,14 @@ def _serve(sock: socket.socket, factory: Callable[[], Engine]) -> None:
 def _step_until_stopped(engine: Engine, sock: socket.socket) -> None:
     held: set[str] = set()
     stopping = False
+    idle_reported = True
     while True:
         busy = engine.has_unfinished()
         if stopping and not busy:
             return
+        if not busy and not idle_reported:  # what an abort freed shows in the next heartbeat
+            sock.sendall(_frame(("load", engine.load())))
+            idle_reported = True
         # every command queued is applied before the next step; with nothing to step, wait for one
         if select.select([sock], [], [], 0 if busy else None)[0]:
             kind, *body = _read(sock)
@@ -215,4 +222,5 @@ def _step_until_stopped(engine: Engine, sock: socket.socket) -> None:
             held = set()
             continue
         held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
+        idle_reported = False
         sock.sendall(_frame(("step", outputs, time.perf_counter() - started, engine.load())))

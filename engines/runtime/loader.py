@@ -32,7 +32,8 @@ class LoadedModel:
         return encode_prompt(self.tokenizer, self.model_id, prompt, messages)
 
 
-def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None,
+                  messages: list[dict[str, Any]] | None) -> list[int]:
     """Token ids for a completion prompt, or for chat messages through the chat template
     (ending with the assistant's turn opened, so the model answers). A function of the
     tokenizer alone, so a worker can tokenize while its engine runs in another process."""

@@ -1,0 +1,164 @@
+"""A worker whose engine runs in a process of its own: the same answers as the engine run in
+process, cancels free the engine's memory, a failing step fails only what it held, and a
+dead engine process stops the worker with its requests left pending for others."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from engines.base import EngineRequest
+from engines.engine_process import EngineDied, EngineProcess
+from engines.registry import create_engine, start_engine_process
+from engines.sim import create as create_sim
+from engines.worker import Worker, WorkerSettings
+from slogate import keys, protocol
+from slogate.protocol import Delta, Error, Final, GenerateRequest, SamplingParams
+
+REPLIES = keys.replies("test-engine-process")
+PROMPTS = {"en": "The gateway accepts", "zh": "你好，世界。 🚀 launch", "digits": "0 1 2"}
+
+
+class FlakySim:
+    """The sim engine, except that its first step raises (a stand-in for an out-of-memory)."""
+
+    def __init__(self) -> None:
+        self.inner = create_sim(decode_base_s=0.001)
+        self.failed = False
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of memory (simulated)")
+        return self.inner.step()
+
+
+def request(rid: str, prompt: str, max_tokens: int, stream: bool = True) -> GenerateRequest:
+    return GenerateRequest(id=rid, model="m", pool="p", cls="interactive", stream=stream,
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                           deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt=prompt)
+
+
+async def send(client: aioredis.Redis, req: GenerateRequest) -> None:
+    await client.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.FIELD: protocol.encode(req)})
+
+
+async def records(client: aioredis.Redis) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for _, f in await client.xrange(REPLIES):
+        for rid, payload in protocol.decode_batch(f[protocol.BATCH_FIELD]):
+            out.setdefault(rid.decode(), []).append(protocol.decode_result(payload))
+    return out
+
+
+async def wait_for(check, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if result := await check():
+            return result
+        await asyncio.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+async def settled(client: aioredis.Redis, ids: set[str]) -> dict[str, list]:
+    async def check():
+        got = await records(client)
+        done = {rid for rid, recs in got.items() if not isinstance(recs[-1], Delta)}
+        return got if ids <= done else None
+    return await wait_for(check)
+
+
+def in_process_text(model_dir: Path, prompt: str, max_tokens: int) -> str:
+    engine = create_engine("stream", str(model_dir), {"warmup": False}, threads=1)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    engine.add_request(EngineRequest("ref", sampling, time.time() + 60, prompt))
+    text = ""
+    while engine.has_unfinished():
+        text += "".join(o.text for o in engine.step())
+    return text
+
+
+async def test_stream_engine_in_a_process_matches_in_process_and_cancel_frees_kv(
+        redis_url: str, tiny_model_dir: Path) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    engine = start_engine_process("stream", str(tiny_model_dir), {"warmup": False}, threads=1)
+    assert engine.name == "stream" and engine.model_id == tiny_model_dir.name
+    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        for rid, prompt in PROMPTS.items():
+            await send(client, request(rid, prompt, 12))
+        got = await settled(client, set(PROMPTS))
+        for rid, prompt in PROMPTS.items():
+            deltas = [r for r in got[rid] if isinstance(r, Delta)]
+            assert isinstance(got[rid][-1], Final) and got[rid][-1].completion_tokens == 12
+            assert "".join(d.text for d in deltas) == in_process_text(tiny_model_dir, prompt, 12)
+
+        await send(client, request("long", "a long answer", 400))
+        await wait_for(lambda: _has_delta(client, "long"))
+        assert engine.load().running == 1
+        await client.publish(keys.CANCEL_CHANNEL, "long")
+
+        async def freed():
+            load = engine.load()
+            return load.running == 0 and load.extra["kv_bytes"] == 0 and "long" not in worker.inflight
+        await wait_for(freed)
+        assert (await client.xpending(keys.queue("p"), keys.GROUP))["pending"] == 0
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 30)
+        await client.aclose()
+    assert engine._proc.exitcode == 0
+
+
+async def _has_delta(client: aioredis.Redis, rid: str) -> bool:
+    return any(isinstance(r, Delta) for r in (await records(client)).get(rid, []))
+
+
+async def test_a_failed_step_fails_what_it_held_and_the_engine_goes_on(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(EngineProcess(FlakySim), client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        await send(client, request("first", "hello", 3))
+        first = (await settled(client, {"first"}))["first"][-1]
+        assert isinstance(first, Error) and first.status == 500 and first.code == "engine_error"
+        await send(client, request("second", "hello", 3))
+        second = (await settled(client, {"second"}))["second"][-1]
+        assert isinstance(second, Final) and second.completion_tokens == 3
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 10)
+        await client.aclose()
+
+
+async def test_a_dead_engine_process_stops_the_worker_and_leaves_its_requests_pending(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    engine = EngineProcess(partial(create_engine, "sim", None, {"decode_base_s": 0.05}))
+    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        await send(client, request("held", "hello", 1000))
+        await wait_for(lambda: _has_delta(client, "held"))
+        os.kill(engine.pid, signal.SIGKILL)
+        with pytest.raises(EngineDied, match="exited with code -9"):
+            await asyncio.wait_for(task, 10)
+        pending = await client.xpending(keys.queue("p"), keys.GROUP)
+        assert pending["pending"] == 1  # not acknowledged: another worker claims it
+    finally:
+        await client.aclose()
+
+
+def test_an_engine_that_cannot_build_names_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="could not build its engine.*unknown stream engine options: max_bach"):
+        EngineProcess(partial(create_engine, "stream", str(tmp_path), {"max_bach": 4}))
