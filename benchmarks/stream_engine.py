@@ -639,8 +639,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
         f"{engine_place_text(args)}"
-        f"{pinned_text(threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 character "
-        f"carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
+        f"{pinned_text(args, threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 "
+        f"character carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
         f"a chunk whose running usage shows it carries exactly one token. 'in process' rows: the same engines "
         f"and loop with no gateway, Redis or worker, timed as outputs leave step(): token gaps are between "
         f"tokens. transformers rows: in process, one thread per stream, 1 torch thread; 'chunks' times what "
@@ -797,8 +797,8 @@ def main() -> None:
                         help="torch threads of the workers and the in-process engines (default: as `slogate up` "
                              "sets them, the cores shared among the two workers)")
     parser.add_argument("--pin", action="store_true",
-                        help="gateway rows: the serving worker on CPUs of its own (the last --threads), the gateway, "
-                             "Redis and the load generator on the rest")
+                        help="gateway rows: the engine processes on CPUs of their own (the last --threads), the "
+                             "gateway, Redis, the workers' event loops and the load generator on the rest")
     parser.add_argument("--engine-in-worker", action="store_true",
                         help="workers step their engine on a thread (slogate worker --in-process), not in a "
                              "process of their own")
@@ -860,6 +860,10 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 for pid in (0, redis.proc.pid):
                     os.sched_setaffinity(pid, parse_cpus(layout[0]))
             stack.wait_models(model, pools=2, timeout=300)
+            if layout and not args.engine_in_worker:
+                for proc in workers.values():  # the engine processes keep the workers' CPUs
+                    for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                        os.sched_setaffinity(int(tid), parse_cpus(layout[0]))
             fit = worker_fit(redis.url, POOLS["stream"])
             for pool in POOLS.values():
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))
@@ -884,15 +888,18 @@ def engine_place_text(args: argparse.Namespace) -> str:
     return ", each engine in a process of its own beside its worker"
 
 
-def pinned_text(threads: int) -> str:
+def pinned_text(args: argparse.Namespace, threads: int) -> str:
     rest, own = pinned_layout(threads)
-    return f", pinned (--pin): workers on CPU(s) {own}, gateway, Redis and load generator on CPU(s) {rest}"
+    if args.engine_in_worker:
+        return f", pinned (--pin): workers on CPU(s) {own}, gateway, Redis and load generator on CPU(s) {rest}"
+    return (f", pinned (--pin): engine processes on CPU(s) {own}; gateway, Redis, the workers' own threads "
+            f"and the load generator on CPU(s) {rest}")
 
 
 def pinned_layout(threads: int) -> tuple[str, str]:
-    """``--pin``: (CPUs of the gateway, Redis and this load generator; CPUs of the workers).
-    The workers get the last ``threads`` CPUs, everything else the rest, as a deployment
-    would give a latency-bound worker cores of its own. Only one worker serves at a time."""
+    """``--pin``: (CPUs of the gateway, Redis and this load generator; CPUs of the engines).
+    The engines get the last ``threads`` CPUs, everything else the rest, as a deployment
+    would give a latency-bound engine cores of its own. Only one worker serves at a time."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) <= threads:
         raise SystemExit(f"--pin needs more CPUs than the workers' {threads} thread(s); this process has {len(cpus)}")

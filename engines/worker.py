@@ -255,9 +255,10 @@ class Worker:
     # -- engine ---------------------------------------------------------------------------
 
     async def _engine_loop(self) -> None:
-        """Run the engine on a thread of its own until the worker stops with nothing held.
+        """Run the engine until the worker stops with nothing held: an engine process on its
+        own, any other engine on a thread of its own.
 
-        The thread steps back to back and hands each step's outputs to this loop, which writes
+        Either steps back to back and hands each step's outputs to this loop, which writes
         them while the next step computes. Stepping from this loop instead (a step per
         executor call) left the engine idle between steps while the loop woke, wrote and
         handed over the next step: about a quarter of a small model's step time under load.
