@@ -805,6 +805,7 @@ def main() -> None:
     parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", help="results file name under benchmarks/results (default: from the options)")
     args = parser.parse_args()
 
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(POOLS))
@@ -831,6 +832,7 @@ def main() -> None:
     name += "_burst" if args.arrivals == "burst" else ""
     name += "_pinned" if args.pin else ""
     name += "_engine_in_worker" if args.engine_in_worker else ""
+    name = args.name or name
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "long_prompt_tokens": long_tokens, "stream_engine_warmup_fit": fits, "rows": rows,

@@ -1,17 +1,19 @@
-"""A worker whose engine raises fails the requests it held and goes on serving."""
+"""A worker whose engine raises fails the requests it held and goes on serving, whether the
+engine steps on a thread of the worker or in a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
 import redis.asyncio as aioredis
 
+from engines.engine_process import EngineProcess
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
 from slogate.protocol import Error, Final, GenerateRequest, SamplingParams
-
 
 REPLIES = keys.replies("test-gateway")
 
@@ -46,9 +48,11 @@ async def results(client: aioredis.Redis, request_id: str, timeout: float = 5.0)
     raise AssertionError("no final record")
 
 
-async def test_engine_failure_fails_held_requests_then_recovers(redis_url: str) -> None:
+@pytest.mark.parametrize("place", ["thread", "process"])
+async def test_engine_failure_fails_held_requests_then_recovers(redis_url: str, place: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
-    worker = Worker(FlakyEngine(), client, WorkerSettings(pool="p", claim_idle_s=30))
+    engine = FlakyEngine() if place == "thread" else EngineProcess(FlakyEngine)
+    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
     task = asyncio.create_task(worker.run())
     try:
         for rid in ("first", "second"):
