@@ -578,7 +578,8 @@ PREPARE_INLINE_CHARS = 2048
 on the event loop as they arrive; longer ones on the prepare thread. The hop to that thread
 and back waits for the GIL on both sides: 1.4 ms at the median and up to 9 ms for a short
 prompt at 16 streams (tiny model), far more than tokenizing it, while a 2,000-token prompt
-tokenized between two steps adds its 2-3 ms to every stream's gap."""
+tokenized between two steps adds its 2-3 ms to every stream's gap. The same threshold as
+``engines.runtime.loader.LONG_TEXT_CHARS``, above which the tokenizer lets go of the GIL."""
 
 
 def _prompt_chars(request: EngineRequest) -> int:
