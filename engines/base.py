@@ -3,8 +3,9 @@
 The worker owns all I/O; an engine only turns requests into token deltas. ``add_request``,
 ``abort_request``, ``has_unfinished`` and ``step`` are called from one thread only (the loop
 of the engine's own process, or the worker's engine thread), so engines need no locks; ``step``
-may block (a forward pass) while the worker's event loop goes on. ``prepare`` runs on other threads, beside a step, so it must not touch the
-engine's state; ``load`` is read from the event loop and only reads counters.
+may block (a forward pass) while the worker's event loop goes on. ``prepare`` runs on other
+threads, beside a step, so it must not touch the engine's state; ``load`` is read from the
+event loop and only reads counters.
 """
 
 from __future__ import annotations

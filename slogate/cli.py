@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--cpus", help="run on these CPUs only, e.g. 1 or 2-5: cores of its own keep a latency-bound "
                                    "worker's steps from waiting on other processes (default: any)")
     wk.add_argument("--in-process", action="store_true",
-                    help="step the engine on a thread of the worker, not in a process of its own (the "
-                         "default for the stream and paged engines, so the engine's Python and the "
-                         "worker's Redis I/O never wait for each other's GIL)")
+                    help="step the engine on a thread of the worker. Without it the stream and paged "
+                         "engines run in a process of their own, so the engine's Python and the worker's "
+                         "Redis I/O never wait for each other's GIL")
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)
