@@ -61,9 +61,12 @@ class EngineProcess:
     """The worker's side of an engine process. ``name``, ``model_id`` and ``max_context`` are
     the engine's, ``load`` what it reported with its latest step."""
 
-    def __init__(self, factory: Callable[[], Engine], start_timeout_s: float = 900.0) -> None:
+    def __init__(self, factory: Callable[[], Engine], encoder: Callable[[], Encoder] | None = None,
+                 start_timeout_s: float = 900.0) -> None:
         """Start the process and wait until ``factory`` (a picklable callable, run there)
-        has built the engine: a model that cannot load fails here, with the engine's reason."""
+        has built the engine: a model that cannot load fails here, with the engine's reason.
+        ``encoder``, run here meanwhile, gives what tokenizes requests in this process, beside
+        the engine's steps; without it the engine tokenizes between two of them."""
         ctx = multiprocessing.get_context("spawn")  # torch does not survive a fork after threads
         self._sock, child = socket.socketpair()
         self._proc = ctx.Process(target=_serve, args=(child, factory), name="engine", daemon=True)
@@ -72,8 +75,11 @@ class EngineProcess:
         self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
         self.encode: Encoder | None = None
-        """Tokenizes requests in this process, beside the engine's steps; without it the
-        engine tokenizes between two of them."""
+        encoder_error: Exception | None = None
+        try:
+            self.encode = encoder() if encoder is not None else None
+        except Exception as exc:  # noqa: BLE001 - the engine's own reason, when it has one, says more
+            encoder_error = exc
         self._sock.settimeout(start_timeout_s)
         try:
             kind, *body = _read(self._sock)
@@ -83,6 +89,9 @@ class EngineProcess:
         if kind != "ready":
             self.close(5)
             raise RuntimeError(f"the engine process could not build its engine: {body[0]}")
+        if encoder_error is not None:
+            self.close(5)
+            raise RuntimeError(f"cannot load the tokenizer: {encoder_error}") from encoder_error
         self.name, self.model_id, self.max_context, self._load = body
 
     def prepare(self, request: EngineRequest) -> EngineRequest:

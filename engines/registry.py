@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import Engine
-from engines.engine_process import EngineProcess
+from engines.engine_process import Encoder, EngineProcess
 from slogate import logs
 
 ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
@@ -49,17 +49,20 @@ def create_engine(name: str, model: str | None, options: dict[str, Any], threads
 
 def start_engine_process(name: str, model: str | None, options: dict[str, Any], threads: int | None = None,
                          log_level: str = "info", log_format: str = "json") -> EngineProcess:
-    """Build engine ``name`` in a process of its own (see :mod:`engines.engine_process`);
-    this process keeps the tokenizer, so prompts are tokenized beside the engine's steps."""
-    proc = EngineProcess(partial(_create_logged, name, model, options, threads, log_level, log_format))
-    if name in TORCH_ENGINES and model:
-        from transformers import AutoTokenizer
+    """Build engine ``name`` in a process of its own (see :mod:`engines.engine_process`).
+    This process loads the tokenizer while that one builds the engine (one start-up instead
+    of two in a row), so prompts are tokenized beside the engine's steps."""
+    encoder = partial(_prompt_encoder, model) if name in TORCH_ENGINES and model else None
+    return EngineProcess(partial(_create_logged, name, model, options, threads, log_level, log_format), encoder)
 
-        from engines.runtime.loader import encode_prompt
 
-        model_id = Path(model).name if Path(model).is_dir() else model
-        proc.encode = partial(encode_prompt, AutoTokenizer.from_pretrained(model), model_id)
-    return proc
+def _prompt_encoder(model: str) -> Encoder:
+    from transformers import AutoTokenizer
+
+    from engines.runtime.loader import encode_prompt
+
+    model_id = Path(model).name if Path(model).is_dir() else model
+    return partial(encode_prompt, AutoTokenizer.from_pretrained(model), model_id)
 
 
 def _create_logged(name: str, model: str | None, options: dict[str, Any], threads: int | None,

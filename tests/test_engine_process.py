@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from transformers import AutoTokenizer
 
 from engines.base import EngineRequest
 from engines.engine_process import EngineDied, EngineProcess
@@ -75,6 +76,9 @@ async def test_stream_engine_in_a_process_matches_in_process_and_cancel_frees_kv
     client = aioredis.Redis.from_url(redis_url)
     engine = start_engine_process("stream", str(tiny_model_dir), {"warmup": False}, threads=1)
     assert engine.name == "stream" and engine.model_id == tiny_model_dir.name
+    sampling = SamplingParams(max_tokens=1)
+    prepared = engine.prepare(EngineRequest("p", sampling, time.time() + 60, "0 1 2"))
+    assert prepared.prompt_ids == AutoTokenizer.from_pretrained(tiny_model_dir)("0 1 2").input_ids  # tokenized here
     worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
     task = asyncio.create_task(worker.run())
     try:
@@ -127,3 +131,12 @@ async def test_a_dead_engine_process_stops_the_worker_and_leaves_its_requests_pe
 def test_an_engine_that_cannot_build_names_the_reason(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="could not build its engine.*unknown stream engine options: max_bach"):
         EngineProcess(partial(create_engine, "stream", str(tmp_path), {"max_bach": 4}))
+
+
+def _no_tokenizer():
+    raise OSError("tokenizer.json is missing")
+
+
+def test_a_tokenizer_that_cannot_load_is_named_after_the_engine_builds() -> None:
+    with pytest.raises(RuntimeError, match="cannot load the tokenizer: tokenizer.json is missing"):
+        EngineProcess(partial(create_engine, "sim", None, {}), _no_tokenizer)
