@@ -21,13 +21,11 @@ import select
 import signal
 import socket
 import struct
-import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from engines.base import Engine, EngineLoad, EngineRequest, StepOutput
+from engines.base import Engine, EngineLoad, EngineRequest
+from engines.stepping import Command, Failure, Idle, Report, Step, step_until_stopped
 from slogate.heap import freeze_startup_heap
 
 log = logging.getLogger("slogate.engine_process")
@@ -41,20 +39,6 @@ Encoder = Callable[[str | None, list[dict[str, Any]] | None], list[int]]
 class EngineDied(RuntimeError):
     """The engine process is gone. The worker stops and leaves what it held pending in Redis,
     where other workers claim it."""
-
-
-@dataclass
-class Step:
-    outputs: list[StepOutput]
-    seconds: float
-
-
-@dataclass
-class Failure:
-    """A step raised: the engine dropped ``request_ids`` and goes on serving."""
-
-    request_ids: set[str]
-    error: str
 
 
 class EngineProcess:
@@ -121,24 +105,21 @@ class EngineProcess:
         self._send(("stop",))
 
     async def next(self) -> Step | Failure | None:
-        """The engine's next report; None once it finished after :meth:`finish`."""
+        """The engine's next step or failure; None once it finished after :meth:`finish`."""
         assert self._reader is not None, "attach() first"
-        kind = "load"
-        while kind == "load":
+        while True:
             try:
                 size = _HEADER.unpack(await self._reader.readexactly(_HEADER.size))[0]
-                kind, *body = pickle.loads(await self._reader.readexactly(size))
+                report: Report = pickle.loads(await self._reader.readexactly(size))
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 await asyncio.to_thread(self._proc.join, 5)
                 if self._proc.exitcode == 0:
                     return None
                 raise EngineDied(f"the engine process exited with code {self._proc.exitcode}") from exc
-            if kind == "load":
-                self._load = body[0]
-        if kind == "step":
-            outputs, seconds, self._load = body
-            return Step(outputs, seconds)
-        return Failure(*body)
+            if not isinstance(report, Failure):
+                self._load = report.load
+            if not isinstance(report, Idle):
+                return report
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the process, by force once ``timeout_s`` has passed."""
@@ -160,7 +141,7 @@ class EngineProcess:
         self._writer.write(_frame(message))
 
 
-def _frame(message: tuple[Any, ...]) -> bytes:
+def _frame(message: Any) -> bytes:
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(body)) + body
 
@@ -191,45 +172,11 @@ def _serve(sock: socket.socket, factory: Callable[[], Engine]) -> None:
         return
     freeze_startup_heap()
     sock.sendall(_frame(("ready", engine.name, engine.model_id, engine.max_context, engine.load())))
+
+    def next_command(wait: bool) -> Command | None:
+        return _read(sock) if select.select([sock], [], [], None if wait else 0)[0] else None
+
     try:
-        _step_until_stopped(engine, sock)
+        step_until_stopped(engine, next_command, lambda report: sock.sendall(_frame(report)))
     except (EOFError, ConnectionError):
         log.warning("the worker is gone; the engine process exits")
-
-
-def _step_until_stopped(engine: Engine, sock: socket.socket) -> None:
-    held: set[str] = set()
-    stopping = False
-    idle_reported = True
-    while True:
-        busy = engine.has_unfinished()
-        if stopping and not busy:
-            return
-        if not busy and not idle_reported:  # what an abort freed shows in the next heartbeat
-            sock.sendall(_frame(("load", engine.load())))
-            idle_reported = True
-        # every command queued is applied before the next step; with nothing to step, wait for one
-        if select.select([sock], [], [], 0 if busy else None)[0]:
-            kind, *body = _read(sock)
-            if kind == "add":
-                held.add(body[0].id)
-                engine.add_request(body[0])
-            elif kind == "abort":
-                held.discard(body[0])
-                engine.abort_request(body[0])
-            else:
-                stopping = True
-            continue
-        started = time.perf_counter()
-        try:
-            outputs = engine.step()
-        except Exception:  # an engine bug or out of memory: fail what it held, keep serving
-            log.exception("engine step failed; failing the %d request(s) it held", len(held))
-            for request_id in held:
-                engine.abort_request(request_id)
-            sock.sendall(_frame(("failure", held, traceback.format_exc(limit=1))))
-            held = set()
-            continue
-        held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
-        idle_reported = False
-        sock.sendall(_frame(("step", outputs, time.perf_counter() - started, engine.load())))

@@ -15,10 +15,8 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +27,10 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError, ResponseError
 
 from engines.base import Engine, EngineRequest, StepOutput
-from engines.engine_process import EngineProcess, Step
+from engines.engine_process import EngineProcess
+from engines.engine_thread import EngineThread
 from engines.metrics import WorkerMetrics
+from engines.stepping import Step
 from slogate import keys, protocol, tracing
 from slogate.config import Config
 from slogate.crypto import Sealer, SealError
@@ -69,22 +69,17 @@ class _InFlight:
 class Worker:
     def __init__(self, engine: Engine | EngineProcess, redis: aioredis.Redis, settings: WorkerSettings,
                  sealer: Sealer | None = None) -> None:
-        self.engine = engine
+        self.engine = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
         self.sealer = sealer or Sealer()
         self.redis = redis
         self.s = settings
         self.queue = keys.queue(settings.pool)
         self.inflight: dict[str, _InFlight] = {}
-        self._adds: deque[EngineRequest] = deque()
-        """Prepared requests for the engine thread to add before its next step."""
         self._preparing = 0
         self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
-        self._aborts: deque[str] = deque()
         self._last_expiry_check = 0.0
         self._ttl_renewed: dict[str, float] = {}
         self._checks: set[asyncio.Task[None]] = set()
-        self._engine_wake = threading.Event()
-        self._halt = threading.Event()
         self._stopping = asyncio.Event()
         self._replies: dict[str, list[tuple[bytes, bytes]]] = {}
         """Records queued for the next send, per reply stream: (request id, sealed message)."""
@@ -114,7 +109,6 @@ class Worker:
     def stop(self) -> None:
         """Take no new work; finish what is held (unfinished entries stay pending for others)."""
         self._stopping.set()
-        self._engine_wake.set()
 
     async def _ensure_group(self) -> None:
         while True:
@@ -196,7 +190,7 @@ class Worker:
             if _prompt_chars(r) > PREPARE_INLINE_CHARS:
                 long.append(r)
             else:
-                self._submit(self._prepared(r))
+                self.engine.add(self._prepared(r))
         self._preparing += len(long)
         for coro in (self._prepare(long), self._abort_cancelled([r.id for r in requests])):
             task = asyncio.create_task(coro)
@@ -212,7 +206,7 @@ class Worker:
 
     async def _prepare(self, requests: list[EngineRequest]) -> None:
         """Tokenize long prompts on a thread of its own (the tokenizer releases the GIL),
-        beside the running step, then hand them to the engine thread; one cancelled meanwhile
+        beside the running step, then hand them to the engine; one cancelled meanwhile
         is dropped. ``_preparing`` already counts them."""
         if not requests:
             return
@@ -221,12 +215,11 @@ class Worker:
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._preparer, lambda: [self._prepared(r) for r in requests])
         finally:
-            # queued before the count drops, so a stopping engine thread never sees neither
+            # queued before the count drops, so a stopping worker never sees neither
             for r in prepared:
                 if r.id in self.inflight:
-                    self._submit(r)
+                    self.engine.add(r)
             self._preparing -= len(requests)
-            self._engine_wake.set()
 
     async def _abort_cancelled(self, request_ids: list[str]) -> None:
         """Requests cancelled before this worker took them (their cancel message went to
@@ -255,127 +248,50 @@ class Worker:
     # -- engine ---------------------------------------------------------------------------
 
     async def _engine_loop(self) -> None:
-        """Run the engine until the worker stops with nothing held: an engine process on its
-        own, any other engine on a thread of its own.
+        """Drive the engine until the worker stops with nothing held, handing each step's
+        outputs to the same bookkeeping wherever the engine runs.
 
-        Either steps back to back and hands each step's outputs to this loop, which writes
-        them while the next step computes. Stepping from this loop instead (a step per
-        executor call) left the engine idle between steps while the loop woke, wrote and
-        handed over the next step: about a quarter of a small model's step time under load.
+        The engine steps back to back and this loop writes each step's outputs while the next
+        step computes. Stepping from this loop instead (a step per executor call) left the
+        engine idle between steps while the loop woke, wrote and handed over the next step:
+        about a quarter of a small model's step time under load. The engine's end (a dead
+        engine process: :class:`engines.engine_process.EngineDied`) ends the worker, whose
+        unfinished requests stay pending for other workers.
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         sender = asyncio.create_task(self._sender(done))
-        driver = None
-        if isinstance(self.engine, EngineProcess):
-            driver = asyncio.create_task(self._read_engine_process(self.engine, done))
-        else:
-            threading.Thread(target=self._engine_thread, args=(loop, done), name="engine", daemon=True).start()
+        await self.engine.attach()
+        finisher = asyncio.create_task(self._finish_engine())
         try:
-            await asyncio.shield(done)
-            self._send_wake.set()
-            await sender
-        finally:
-            self._halt.set()
-            self._engine_wake.set()
-            for task in (sender, driver):
-                if task is not None and not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-            if isinstance(self.engine, EngineProcess):
-                self.engine.close(1.0)
-
-    async def _read_engine_process(self, engine: EngineProcess, done: asyncio.Future[None]) -> None:
-        """Hand each step's report from an engine process to the same bookkeeping as the
-        engine thread's, and tell the process to finish once the worker stops with nothing
-        held. Its death ends the worker (:class:`engines.engine_process.EngineDied`), whose
-        unfinished requests stay pending for other workers."""
-        await engine.attach()
-        finisher = asyncio.create_task(self._finish_engine_process(engine))
-        outcome: BaseException | None = None
-        try:
-            while (report := await engine.next()) is not None:
+            while (report := await self.engine.next()) is not None:
                 if isinstance(report, Step):
                     self._on_step(report.outputs, report.seconds)
                 else:
                     log.error("engine step failed; failing the %d request(s) it held: %s",
                               len(report.request_ids), report.error)
                     self._on_engine_failure(report.request_ids)
-        except Exception as exc:  # noqa: BLE001 - whatever ended the engine must reach run()
-            outcome = exc
+            done.set_result(None)
+            self._send_wake.set()
+            await sender
         finally:
-            finisher.cancel()
-        _settle(done, outcome)
+            for task in (sender, finisher):
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            self.engine.close(1.0)
 
-    async def _finish_engine_process(self, engine: EngineProcess) -> None:
+    async def _finish_engine(self) -> None:
         await self._stopping.wait()
         while self.inflight or self._preparing:
             await asyncio.sleep(0.01)
-        engine.finish()
-
-    def _engine_thread(self, loop: asyncio.AbstractEventLoop, done: asyncio.Future[None]) -> None:
-        """Apply adds and aborts, step, hand over: the engine is touched from this thread only."""
-        try:
-            self._step_until_stopped(loop)
-            outcome: BaseException | None = None
-        except BaseException as exc:  # noqa: BLE001 - whatever killed the thread must reach the loop
-            outcome = exc
-        try:
-            loop.call_soon_threadsafe(_settle, done, outcome)
-        except RuntimeError:  # the loop closed first (the grace period ran out)
-            pass
-
-    def _step_until_stopped(self, loop: asyncio.AbstractEventLoop) -> None:
-        held: set[str] = set()  # what the engine holds, so a failed step can abort it all
-        while not self._halt.is_set():
-            self._engine_wake.clear()
-            self._apply_commands(held)
-            if not self.engine.has_unfinished():
-                if self._stopping.is_set() and not self._adds and not self._preparing:
-                    return
-                self._engine_wake.wait(0.5)
-                continue
-            started = time.perf_counter()
-            try:
-                outputs = self.engine.step()
-            except Exception:  # an engine bug or out of memory: fail what it held, keep serving
-                log.exception("engine step failed; failing the %d request(s) it held", len(held))
-                for request_id in held:
-                    self.engine.abort_request(request_id)
-                loop.call_soon_threadsafe(self._on_engine_failure, held)
-                held = set()
-                continue
-            held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
-            loop.call_soon_threadsafe(self._on_step, outputs, time.perf_counter() - started)
-
-    def _apply_commands(self, held: set[str]) -> None:
-        """Adds first: a request cancelled before the engine saw it is then added and aborted
-        in the same pass, never stepped."""
-        while self._adds:
-            req = self._adds.popleft()
-            held.add(req.id)
-            self.engine.add_request(req)
-        while self._aborts:
-            request_id = self._aborts.popleft()
-            held.discard(request_id)
-            self.engine.abort_request(request_id)
-
-    def _submit(self, request: EngineRequest) -> None:
-        if isinstance(self.engine, EngineProcess):
-            self.engine.add(request)
-        else:
-            self._adds.append(request)
-            self._engine_wake.set()
+        self.engine.finish()
 
     def _abort(self, request_id: str) -> _InFlight | None:
         """Forget a held request here and have the engine free it before its next step."""
         job = self.inflight.pop(request_id, None)
         if job is not None:
-            if isinstance(self.engine, EngineProcess):
-                self.engine.abort(request_id)
-            else:
-                self._aborts.append(request_id)
-                self._engine_wake.set()
+            self.engine.abort(request_id)
         return job
 
     def _on_step(self, outputs: list[StepOutput], seconds: float) -> None:
@@ -412,7 +328,7 @@ class Worker:
     async def _sender(self, engine_done: asyncio.Future[None]) -> None:
         """Send what the steps queued, one pipeline at a time, so every request's records stay
         in order; what piles up while one is in flight goes out together in the next. Ends
-        once the engine thread has and everything is sent."""
+        once the engine has and everything is sent."""
         while True:
             await self._send_wake.wait()
             self._send_wake.clear()
@@ -524,7 +440,7 @@ class Worker:
         return Heartbeat(
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
-            running=load.running, waiting=load.waiting + len(self._adds) + self._preparing, capacity=load.capacity,
+            running=load.running, waiting=load.waiting + self._preparing, capacity=load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, ts=time.time())
 
@@ -586,18 +502,10 @@ def _prompt_chars(request: EngineRequest) -> int:
     return len(request.prompt or "") + sum(len(str(m.get("content") or "")) for m in request.messages or ())
 
 
-def _settle(done: asyncio.Future[None], outcome: BaseException | None) -> None:
-    if done.done():
-        return
-    if outcome is None:
-        done.set_result(None)
-    else:
-        done.set_exception(outcome)
-
-
 GIL_SWITCH_INTERVAL_S = 0.001
-"""The engine steps in a thread while this loop reads requests and writes tokens. A step of
-a small model is mostly Python holding the GIL, and by default the loop waits up to 5 ms for
+"""An engine on a thread of the worker (:class:`engines.engine_thread.EngineThread`) steps
+while this loop reads requests and writes tokens. A step of a small model is mostly Python
+holding the GIL, and by default the loop waits up to 5 ms for
 it each time; at 1 ms a new request or a finished token waits less (stream benchmark, tiny
 model, 16 streams through the gateway, two runs each: TTFT P99 32 and 52 ms against 73 and
 61 ms at 5 ms)."""
