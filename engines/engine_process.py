@@ -94,18 +94,8 @@ class EngineProcess:
         self._sock.settimeout(None)
         self._reader, self._writer = await asyncio.open_connection(sock=self._sock)
 
-    def add(self, request: EngineRequest) -> None:
-        self._send(("add", request))
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    def finish(self) -> None:
-        """Have the engine finish what it holds, report it, and exit."""
-        self._send(("stop",))
-
     async def next(self) -> Step | Failure | None:
-        """The engine's next step or failure; None once it finished after :meth:`finish`."""
+        """The engine's next step or failure; None once it finished after a stop command."""
         assert self._reader is not None, "attach() first"
         while True:
             try:
@@ -136,9 +126,10 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def send(self, command: Command) -> None:
+        """Queue a command for the engine (see :data:`engines.stepping.Command`)."""
         assert self._writer is not None, "attach() first"
-        self._writer.write(_frame(message))
+        self._writer.write(_frame(command))
 
 
 def _frame(message: Any) -> bytes:

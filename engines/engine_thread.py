@@ -39,18 +39,8 @@ class EngineThread:
         loop = asyncio.get_running_loop()
         threading.Thread(target=self._run, args=(loop,), name="engine", daemon=True).start()
 
-    def add(self, request: EngineRequest) -> None:
-        self._command(("add", request))
-
-    def abort(self, request_id: str) -> None:
-        self._command(("abort", request_id))
-
-    def finish(self) -> None:
-        """Have the engine finish what it holds, report it, and end."""
-        self._command(("stop",))
-
     async def next(self) -> Step | Failure | None:
-        """The engine's next step or failure; None once it finished after :meth:`finish`."""
+        """The engine's next step or failure; None once it finished after a stop command."""
         while True:
             report = await self._reports.get()
             if isinstance(report, BaseException):
@@ -63,7 +53,8 @@ class EngineThread:
         self._closed.set()
         self._wake.set()
 
-    def _command(self, command: Command) -> None:
+    def send(self, command: Command) -> None:
+        """Queue a command for the engine (see :data:`engines.stepping.Command`)."""
         self._commands.append(command)
         self._wake.set()
 

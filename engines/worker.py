@@ -190,7 +190,7 @@ class Worker:
             if _prompt_chars(r) > PREPARE_INLINE_CHARS:
                 long.append(r)
             else:
-                self.engine.add(self._prepared(r))
+                self.engine.send(("add", self._prepared(r)))
         self._preparing += len(long)
         for coro in (self._prepare(long), self._abort_cancelled([r.id for r in requests])):
             task = asyncio.create_task(coro)
@@ -218,7 +218,7 @@ class Worker:
             # queued before the count drops, so a stopping worker never sees neither
             for r in prepared:
                 if r.id in self.inflight:
-                    self.engine.add(r)
+                    self.engine.send(("add", r))
             self._preparing -= len(requests)
 
     async def _abort_cancelled(self, request_ids: list[str]) -> None:
@@ -285,13 +285,13 @@ class Worker:
         await self._stopping.wait()
         while self.inflight or self._preparing:
             await asyncio.sleep(0.01)
-        self.engine.finish()
+        self.engine.send(("stop",))
 
     def _abort(self, request_id: str) -> _InFlight | None:
         """Forget a held request here and have the engine free it before its next step."""
         job = self.inflight.pop(request_id, None)
         if job is not None:
-            self.engine.abort(request_id)
+            self.engine.send(("abort", request_id))
         return job
 
     def _on_step(self, outputs: list[StepOutput], seconds: float) -> None:
