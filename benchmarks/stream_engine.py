@@ -74,6 +74,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from benchmarks.loadgen import markdown_table, percentile
 from engines import paged, stream
 from engines.base import Engine, EngineRequest
+from engines.runtime.loader import resolve_device
 from engines.runtime.tiny_model import build_tiny_model
 from slogate import keys, protocol
 from slogate.cpus import parse_cpus
@@ -385,8 +386,8 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     """Both engines in this process at the workers' thread count."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
-        "stream": stream.create(str(model_dir), dtype=args.dtype, max_batch=args.max_batch),
-        "paged": paged.create(str(model_dir), dtype=args.dtype),
+        "stream": stream.create(str(model_dir), dtype=args.dtype, device=args.device, max_batch=args.max_batch),
+        "paged": paged.create(str(model_dir), dtype=args.dtype, device=args.device),
     }
     fit = warmup_fit(engines["stream"])
     meter = CpuMeter({})
@@ -474,7 +475,7 @@ def hf_closed_loop(model: Any, tokenizer: PreTrainedTokenizerBase, level: Level)
     def client(offset: float, requests: list[tuple[str, int]]) -> None:
         time.sleep(offset)
         for i, (prompt, max_tokens) in enumerate(requests):
-            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
             streamer = _TimedStreamer(tokenizer)
             trace = Trace(time.perf_counter(), first=i == 0)
             gen = threading.Thread(target=model.generate, kwargs={
@@ -629,7 +630,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
     top = max(args.levels)
     sizes = "-".join(str(n) for n in sorted(set(long_tokens)))
     return "\n".join([
-        f"# Stream engine benchmark ({args.size} model, {args.dtype}, CPU)",
+        f"# Stream engine benchmark ({args.size} model, {args.dtype}, {device_text(args.device)})",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.machine()} with {os.cpu_count()} cores "
         f"shared with the load generator and other jobs. Prompts of 16-{args.prompt_tokens} tokens (distinct, "
@@ -773,6 +774,8 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=["tiny", "100m"])
     parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--device", default="auto", help="where the engines run: cpu, cuda[:N] or auto (the GPU if "
+                                                         "there is one)")
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16], help="concurrent streams")
     parser.add_argument("--rounds", type=int, default=8, help="requests per client at each level")
     parser.add_argument("--min-measured", type=int, default=200,
@@ -807,6 +810,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", help="results file name under benchmarks/results (default: from the options)")
     args = parser.parse_args()
+    args.device = str(resolve_device(args.device))
 
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(POOLS))
     torch.set_num_threads(1)
@@ -822,12 +826,13 @@ def main() -> None:
             in_process, engine_prefill, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
             rows += in_process
         if not args.skip_transformers:
-            rows += run_transformers(model_dir, tokenizer, prompts, args.dtype, args.stagger_ms)
+            rows += run_transformers(model_dir, tokenizer, prompts, args.dtype, args.device, args.stagger_ms)
 
     text = render(args, rows, gateway_prefill, engine_prefill, fits, long_tokens, threads)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = f"stream_engine_{args.size}" + (f"_{args.dtype}" if args.dtype != "fp32" else "")
+    name += "_cuda" if args.device.startswith("cuda") else ""
     name += f"_threads{args.threads}" if args.threads else ""
     name += "_burst" if args.arrivals == "burst" else ""
     name += "_pinned" if args.pin else ""
@@ -853,11 +858,12 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         try:
             stack.gateway(*(["--cpus", layout[0]] if layout else []))
             dtype = f'dtype="{args.dtype}"'
+            device = f'device="{args.device}"'
             cpus = layout[1] if layout else None
             inside = args.engine_in_worker
-            workers = {"stream": stack.worker("interactive", "stream", dtype, f"max_batch={args.max_batch}",
+            workers = {"stream": stack.worker("interactive", "stream", dtype, device, f"max_batch={args.max_batch}",
                                               cpus=cpus, in_process=inside),
-                       "paged": stack.worker("batch", "paged", dtype, cpus=cpus, in_process=inside)}
+                       "paged": stack.worker("batch", "paged", dtype, device, cpus=cpus, in_process=inside)}
             if layout:
                 for pid in (0, redis.proc.pid):
                     os.sched_setaffinity(pid, parse_cpus(layout[0]))
@@ -882,6 +888,12 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
             redis.stop()
             os.sched_setaffinity(0, everywhere)
     return rows, prefill, fit
+
+
+def device_text(device: str) -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))} ({device})"
+    return "CPU"
 
 
 def engine_place_text(args: argparse.Namespace) -> str:
@@ -910,9 +922,9 @@ def pinned_layout(threads: int) -> tuple[str, str]:
 
 
 def run_transformers(model_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: Prompts,
-                     dtype: str, stagger_ms: float | None) -> list[dict[str, Any]]:
+                     dtype: str, device: str, stagger_ms: float | None) -> list[dict[str, Any]]:
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).eval()
+        model_dir, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]).to(device).eval()
     model.generation_config.eos_token_id = None
     meter = CpuMeter({})
     hf_closed_loop(model, tokenizer, prompts.warmup)

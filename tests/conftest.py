@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,3 +32,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engines.runtime.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def engine_device() -> str:
+    """Where the engine tests run: the CPU, or the device ``SLOGATE_TEST_DEVICE`` names
+    (``cuda`` on a GPU machine), so that one suite checks the engines on either."""
+    device = os.environ.get("SLOGATE_TEST_DEVICE", "cpu")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip(f"SLOGATE_TEST_DEVICE={device} but torch sees no CUDA device")
+    return device

@@ -4,6 +4,7 @@ time): batching, chunked prefill, preemption and prefix caching must not change 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,27 +29,33 @@ def _text(n_words: int, offset: int = 0) -> str:
 PROMPTS = [_text(n, i) for i, n in enumerate([1, 4, 9, 17, 30, 52, 90, 150])]
 SHARED_PREFIX = "You are a careful risk analyst. " + _text(120, 3)
 PREFIX_PROMPTS = [SHARED_PREFIX + " " + _text(2 + 3 * i, i) for i in range(6)]
+MakeEngine = Callable[..., PagedEngine]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> dict[str, list[int]]:
+def reference(tiny_model_dir: Path, engine_device: str) -> dict[str, list[int]]:
     """transformers ``generate``, one prompt at a time, never stopping at eos (ignore_eos)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(engine_device).eval()
     model.generation_config.eos_token_id = None
     out = {}
     for prompt in PROMPTS + PREFIX_PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = tokenizer(prompt, return_tensors="pt").input_ids.to(engine_device)
         gen = model.generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS, attention_mask=torch.ones_like(ids))
         out[prompt] = gen[0, ids.shape[1] :].tolist()
     return out
 
 
-def _engine(model_dir: Path, **options: Any) -> PagedEngine:
+@pytest.fixture
+def make_engine(tiny_model_dir: Path, engine_device: str) -> MakeEngine:
     """A small pool unless a test asks otherwise: tests need a few thousand tokens of cache."""
-    options.setdefault("num_blocks", 256)
-    return create(str(model_dir), dtype="fp32", device="cpu", **options)
+
+    def build(**options: Any) -> PagedEngine:
+        options.setdefault("num_blocks", 256)
+        return create(str(tiny_model_dir), dtype="fp32", device=engine_device, **options)
+
+    return build
 
 
 def _request(rid: str, prompt: str, sampling: SamplingParams = GREEDY, deadline: float | None = None) -> EngineRequest:
@@ -89,8 +96,8 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
-def test_batch_matches_generate_token_for_token(tiny_model_dir: Path, reference: dict, config: str) -> None:
-    engine = _engine(tiny_model_dir, **CONFIGS[config])
+def test_batch_matches_generate_token_for_token(make_engine: MakeEngine, reference: dict, config: str) -> None:
+    engine = make_engine(**CONFIGS[config])
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(_request(str(i), prompt))
     outputs = _drain(engine)
@@ -105,10 +112,10 @@ def test_batch_matches_generate_token_for_token(tiny_model_dir: Path, reference:
     _assert_pool_clean(engine)
 
 
-def test_prefill_chunks_of_one_token_match_generate(tiny_model_dir: Path, reference: dict) -> None:
+def test_prefill_chunks_of_one_token_match_generate(make_engine: MakeEngine, reference: dict) -> None:
     """A budget of four tokens for four sequences leaves a prefill single-token chunks beside
     three decodes: the runner must treat those as queries over a context, not as decodes."""
-    engine = _engine(tiny_model_dir, max_batched_tokens=4, max_num_seqs=4)
+    engine = make_engine(max_batched_tokens=4, max_num_seqs=4)
     schedule, one_token_chunks = engine.scheduler.schedule, []
 
     def counting_schedule():
@@ -129,16 +136,16 @@ def test_prefill_chunks_of_one_token_match_generate(tiny_model_dir: Path, refere
     _assert_pool_clean(engine)
 
 
-def test_streamed_text_is_the_decoded_output(tiny_model_dir: Path, reference: dict) -> None:
-    engine = _engine(tiny_model_dir)
+def test_streamed_text_is_the_decoded_output(make_engine: MakeEngine, reference: dict) -> None:
+    engine = make_engine()
     engine.add_request(_request("a", PROMPTS[3]))
     outputs = _drain(engine)
     text = "".join(o.text for o in outputs)
     assert text == engine.loaded.tokenizer.decode(reference[PROMPTS[3]], skip_special_tokens=True)
 
 
-def test_prefix_cache_hits_do_not_change_outputs(tiny_model_dir: Path, reference: dict) -> None:
-    engine = _engine(tiny_model_dir)
+def test_prefix_cache_hits_do_not_change_outputs(make_engine: MakeEngine, reference: dict) -> None:
+    engine = make_engine()
     engine.add_request(_request("p0", PREFIX_PROMPTS[0]))
     outputs = engine.step()
     for i, prompt in enumerate(PREFIX_PROMPTS[1:], start=1):
@@ -151,8 +158,8 @@ def test_prefix_cache_hits_do_not_change_outputs(tiny_model_dir: Path, reference
     _assert_pool_clean(engine)
 
 
-def test_prefix_cache_with_preemption_and_chunking(tiny_model_dir: Path, reference: dict) -> None:
-    engine = _engine(tiny_model_dir, block_size=8, num_blocks=48, max_batched_tokens=48, max_num_seqs=6)
+def test_prefix_cache_with_preemption_and_chunking(make_engine: MakeEngine, reference: dict) -> None:
+    engine = make_engine(block_size=8, num_blocks=48, max_batched_tokens=48, max_num_seqs=6)
     for i, prompt in enumerate(PREFIX_PROMPTS):
         engine.add_request(_request(f"p{i}", prompt))
     got = _tokens(_drain(engine))
@@ -162,8 +169,8 @@ def test_prefix_cache_with_preemption_and_chunking(tiny_model_dir: Path, referen
     _assert_pool_clean(engine)
 
 
-def test_blocks_all_return_after_finish_abort_and_preemption(tiny_model_dir: Path) -> None:
-    engine = _engine(tiny_model_dir, block_size=8, num_blocks=28)
+def test_blocks_all_return_after_finish_abort_and_preemption(make_engine: MakeEngine) -> None:
+    engine = make_engine(block_size=8, num_blocks=28)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(_request(str(i), prompt))
     outputs: list[StepOutput] = []
@@ -184,8 +191,8 @@ def test_blocks_all_return_after_finish_abort_and_preemption(tiny_model_dir: Pat
     _assert_pool_clean(engine)
 
 
-def test_expired_deadline_finishes_and_frees_blocks(tiny_model_dir: Path) -> None:
-    engine = _engine(tiny_model_dir)
+def test_expired_deadline_finishes_and_frees_blocks(make_engine: MakeEngine) -> None:
+    engine = make_engine()
     now = time.time()
     engine.clock = lambda: now
     engine.add_request(_request("late", PROMPTS[5], deadline=now + 10))
@@ -201,8 +208,8 @@ def test_expired_deadline_finishes_and_frees_blocks(tiny_model_dir: Path) -> Non
     _assert_pool_clean(engine)
 
 
-def test_requests_that_can_never_fit_get_a_400(tiny_model_dir: Path) -> None:
-    engine = _engine(tiny_model_dir, num_blocks=8)
+def test_requests_that_can_never_fit_get_a_400(make_engine: MakeEngine) -> None:
+    engine = make_engine(num_blocks=8)
     engine.add_request(_request("ctx", PROMPTS[0], SamplingParams(max_tokens=engine.max_context + 1)))
     engine.add_request(_request("pool", PROMPTS[0], SamplingParams(max_tokens=200)))
     engine.add_request(_request("ok", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0)))
@@ -214,8 +221,8 @@ def test_requests_that_can_never_fit_get_a_400(tiny_model_dir: Path) -> None:
     assert any(o.request_id == "ok" and o.finish_reason for o in outputs)
 
 
-def test_load_reports_queue_and_cache(tiny_model_dir: Path) -> None:
-    engine = _engine(tiny_model_dir, max_num_seqs=2)
+def test_load_reports_queue_and_cache(make_engine: MakeEngine) -> None:
+    engine = make_engine(max_num_seqs=2)
     for i, prompt in enumerate(PROMPTS[:4]):
         engine.add_request(_request(str(i), prompt))
     engine.step()
@@ -227,11 +234,11 @@ def test_load_reports_queue_and_cache(tiny_model_dir: Path) -> None:
     assert {"prefix_cache_hit_rate", "kv_blocks_total", "kv_blocks_free"} <= set(load.extra)
 
 
-def test_seeded_sampling_is_reproducible_in_a_batch(tiny_model_dir: Path) -> None:
+def test_seeded_sampling_is_reproducible_in_a_batch(make_engine: MakeEngine) -> None:
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
     runs = []
     for companions in (0, 3):
-        engine = _engine(tiny_model_dir)
+        engine = make_engine()
         engine.add_request(_request("s", PROMPTS[4], seeded))
         for i in range(companions):
             engine.add_request(_request(f"c{i}", PROMPTS[i], SamplingParams(max_tokens=12, temperature=1.0)))
@@ -254,8 +261,8 @@ def test_create_names_unknown_options(tiny_model_dir: Path) -> None:
         create(str(tiny_model_dir), block_sise=16)
 
 
-def test_a_redelivered_request_is_served_once(tiny_model_dir: Path, reference: dict) -> None:
-    engine = _engine(tiny_model_dir)
+def test_a_redelivered_request_is_served_once(make_engine: MakeEngine, reference: dict) -> None:
+    engine = make_engine()
     engine.add_request(_request("a", PROMPTS[2]))
     outputs = engine.step()
     engine.add_request(_request("a", PROMPTS[2]))
@@ -265,11 +272,11 @@ def test_a_redelivered_request_is_served_once(tiny_model_dir: Path, reference: d
     _assert_pool_clean(engine)
 
 
-def test_prepared_requests_are_served_as_unprepared_ones(tiny_model_dir: Path, reference: dict) -> None:
+def test_prepared_requests_are_served_as_unprepared_ones(make_engine: MakeEngine, reference: dict) -> None:
     """The worker tokenizes on another thread through ``prepare``; the tokens it computes
     ahead must be the ones ``add_request`` would, and a request ``prepare`` cannot tokenize
     still gets its error from ``add_request``."""
-    engine = _engine(tiny_model_dir)
+    engine = make_engine()
     prepared = engine.prepare(_request("p", PROMPTS[1]))
     assert prepared.prompt_ids == engine.loaded.encode(PROMPTS[1], None)
     chat = EngineRequest("chat", GREEDY, time.time() + 3600, messages=[{"role": "user", "content": "hi"}])

@@ -15,10 +15,12 @@ def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path):
 
 
 def test_loads_with_facts_engines_need(tiny_model_dir: Path):
+    """The defaults: the GPU in bf16 where there is one, else the CPU in fp32."""
     loaded = load_model(str(tiny_model_dir))
     assert loaded.model_id == "tiny-llama"
-    assert loaded.device == torch.device("cpu")
-    assert loaded.dtype == torch.float32
+    gpu = torch.cuda.is_available()
+    assert loaded.device.type == ("cuda" if gpu else "cpu")
+    assert loaded.dtype == (torch.bfloat16 if gpu else torch.float32)
     assert loaded.max_context >= 2048
     tok = loaded.tokenizer
     assert {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} == loaded.eos_token_ids

@@ -34,16 +34,16 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_model_dir: Path) -> LoadedModel:
+def loaded(tiny_model_dir: Path, engine_device: str) -> LoadedModel:
     """The reference: transformers' own attention, never handed to an engine (an engine
     switches its model to paged attention)."""
-    return load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+    return load_model(str(tiny_model_dir), dtype="fp32", device=engine_device)
 
 
 @pytest.fixture
-def make(tiny_model_dir: Path):
+def make(tiny_model_dir: Path, engine_device: str):
     def build(model: torch.nn.Module | None = None, **options) -> StreamEngine:
-        fresh = load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+        fresh = load_model(str(tiny_model_dir), dtype="fp32", device=engine_device)
         if model is not None:
             fresh.model = model
         options.setdefault("warmup", False)
@@ -82,7 +82,7 @@ def tokens_of(outputs: list[StepOutput]) -> list[int]:
 
 
 def reference(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int, **kwargs) -> list[int]:
-    ids = torch.tensor([prompt_ids])
+    ids = torch.tensor([prompt_ids], device=loaded.device)
     out = loaded.model.generate(ids, max_new_tokens=max_tokens, do_sample=False, **kwargs)
     return out[0, ids.shape[1] :].tolist()
 
@@ -285,8 +285,8 @@ def test_seeded_sampling_repeats_whatever_else_runs(make):
     assert run(0) == run(3)
 
 
-def test_create_measures_costs_for_load_reports(tiny_model_dir: Path):
-    engine = create(str(tiny_model_dir), device="cpu", max_batch=3)
+def test_create_measures_costs_for_load_reports(tiny_model_dir: Path, engine_device: str):
+    engine = create(str(tiny_model_dir), device=engine_device, max_batch=3)
     load = engine.load()
     assert load.capacity == 3 and load.running == 0 and load.waiting == 0
     assert load.prefill_s_per_token > 0 and load.decode_step_s > 0
