@@ -29,6 +29,12 @@ def http_get(url: str) -> tuple[int, bytes]:
         return 0, b""
 
 
+def python_path() -> str:
+    """This checkout first, then whatever PYTHONPATH already holds (packages installed
+    beside the interpreter's own, as on a machine where pip can only ``--target`` a folder)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 @dataclass
 class Stack:
     redis_url: str
@@ -41,7 +47,7 @@ class Stack:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "SLOGATE_REDIS_URL": self.redis_url, "PYTHONPATH": str(ROOT),
+        return {**os.environ, "SLOGATE_REDIS_URL": self.redis_url, "PYTHONPATH": python_path(),
                 "SLOGATE_LOG_LEVEL": "WARNING", **self.env_overrides}
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:

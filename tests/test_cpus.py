@@ -14,7 +14,7 @@ import redis
 
 from slogate import keys
 from slogate.cpus import parse_cpus, pin_to
-from slogate.processes import ROOT
+from slogate.processes import ROOT, python_path
 
 
 def test_lists_and_ranges_parse_as_taskset_writes_them() -> None:
@@ -36,7 +36,7 @@ def test_cpus_the_machine_lacks_are_refused() -> None:
 
 def test_a_worker_started_with_cpus_runs_on_those_only(redis_url: str) -> None:
     cpu = min(os.sched_getaffinity(0))
-    env = {**os.environ, "SLOGATE_REDIS_URL": redis_url, "PYTHONPATH": str(ROOT), "SLOGATE_LOG_LEVEL": "WARNING"}
+    env = {**os.environ, "SLOGATE_REDIS_URL": redis_url, "PYTHONPATH": python_path(), "SLOGATE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen([sys.executable, "-m", "slogate.cli", "worker", "--pool", "pinned", "--engine", "sim",
                              "--cpus", str(cpu)], env=env, cwd=ROOT)
     client = redis.Redis.from_url(redis_url)
@@ -56,7 +56,7 @@ def test_a_worker_started_with_cpus_runs_on_those_only(redis_url: str) -> None:
 
 
 def test_a_worker_given_cpus_it_cannot_have_exits_with_the_reason() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     done = subprocess.run([sys.executable, "-m", "slogate.cli", "worker", "--pool", "p", "--engine", "sim",
                            "--cpus", "4095"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2

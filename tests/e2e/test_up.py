@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from slogate.local_redis import free_port
-from slogate.processes import ROOT, http_get
+from slogate.processes import http_get, python_path
 
 
 def children(pid: int) -> set[int]:
@@ -30,7 +30,7 @@ def alive(pid: int) -> bool:
 def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOGATE_")}
-    env.update(SLOGATE_STATE_DIR=str(tmp_path / "state"), SLOGATE_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+    env.update(SLOGATE_STATE_DIR=str(tmp_path / "state"), SLOGATE_LOG_LEVEL="WARNING", PYTHONPATH=python_path())
     up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--engine", "sim", "--port", str(port),
                            "-o", "decode_base_s=0.001"], env=env, cwd=tmp_path)
     try:
