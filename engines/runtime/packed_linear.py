@@ -56,7 +56,9 @@ def padded_rows(m: int) -> int:
 
 
 def can_pack(model: torch.nn.Module) -> bool:
-    """oneDNN is built in, and the model is a CPU model in a dtype it packs."""
+    """oneDNN is built in, and the model is a CPU model in a dtype it packs on this CPU: its
+    bf16 kernels need AVX-512 (or AVX-NE-CONVERT), and on a CPU without them packing a bf16
+    weight raises, where a plain bf16 ``linear`` still runs."""
     param = next(model.parameters(), None)
     return (
         param is not None
@@ -64,6 +66,7 @@ def can_pack(model: torch.nn.Module) -> bool:
         and param.dtype in _DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (param.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +255,18 @@ def test_weights_are_packed_unless_asked_not_to(tiny_model_dir: Path, engine: st
         built = make(str(tiny_model_dir), dtype="fp32", device="cpu", num_blocks=64, pack_weights=pack)
         kinds = {type(m) for m in built.loaded.model.modules()}
         assert (PackedLinear in kinds) is pack and (torch.nn.Linear in kinds) is not pack
+
+
+@pytest.mark.parametrize("engine", ["paged", "stream"])
+def test_bf16_engines_run_on_any_cpu(tiny_model_dir: Path, engine: str) -> None:
+    """bf16 on a CPU whose oneDNN has no bf16 kernels (AVX2 only) leaves the weights unpacked
+    instead of failing to start."""
+    make = create if engine == "paged" else partial(stream_create, warmup=False)
+    built = make(str(tiny_model_dir), dtype="bf16", device="cpu", num_blocks=64)
+    assert built.loaded.dtype == torch.bfloat16
+    built.add_request(_request("a", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)))
+    outputs = _drain(built)
+    assert sum(len(o.token_ids) for o in outputs) == 4 and outputs[-1].finish_reason == "length"
 
 
 def test_create_names_unknown_options(tiny_model_dir: Path) -> None:

@@ -8,7 +8,11 @@ from engines.runtime.packed_linear import PackedLinear, can_pack, pack_linears, 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+BF16 = pytest.param(torch.bfloat16, 3e-2, marks=pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bf16 kernels (AVX-512)"))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), BF16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_nn_linear(dtype: torch.dtype, tol: float, bias: bool) -> None:
     torch.manual_seed(0)
@@ -46,6 +50,20 @@ def test_leaves_unsupported_dtypes_alone() -> None:
     assert not can_pack(model)
     assert pack_linears(model) == 0
     assert isinstance(model[0], torch.nn.Linear)
+
+
+def test_bf16_is_packed_only_where_onednn_runs_it() -> None:
+    """On a CPU without oneDNN's bf16 kernels, packing a bf16 weight raises: the model stays
+    as it is and still runs."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16).to(torch.bfloat16))
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        supported = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert can_pack(model) is supported
+        assert pack_linears(model) == int(supported)
+        torch.testing.assert_close(model(x).float(), want.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_row_padding_bounds_shapes_and_waste() -> None:
