@@ -119,16 +119,16 @@ class StreamEngine(PagedEngine):
         rows = max(1, min(self.scheduler.max_num_seqs, slots // (n + self.block_manager.block_size)))
         best = {"fixed": float("inf"), "decode": float("inf"), "near": float("inf"), "far": float("inf")}
         for _ in range(3):
-            best["fixed"] = min(best["fixed"], self._timed([(0, 1)]))
-            best["decode"] = min(best["decode"], self._timed([(n, 1)] * rows))
-            best["near"] = min(best["near"], self._timed([(0, n)]))
-            best["far"] = min(best["far"], self._timed([(far, n)]))
+            best["fixed"] = min(best["fixed"], self.time_step([(0, 1)]))
+            best["decode"] = min(best["decode"], self.time_step([(n, 1)] * rows))
+            best["near"] = min(best["near"], self.time_step([(0, n)]))
+            best["far"] = min(best["far"], self.time_step([(far, n)]))
         self.scheduler.cost = StepCost.fit(best["fixed"], rows, best["decode"], n, best["near"], far, best["far"])
         self.block_manager.queried_tokens = self.block_manager.hit_tokens = 0
         PagedEngine._record_timing(self, best["decode"], rows, rows)
         PagedEngine._record_timing(self, best["near"], n, 1)
 
-    def _timed(self, parts: list[tuple[int, int]]) -> float:
+    def time_step(self, parts: list[tuple[int, int]]) -> float:
         """Seconds to run one step of sequences that have ``start`` tokens cached and run
         ``n`` more, on scratch blocks (what the cache holds does not matter for timing)."""
         vocab = self.loaded.model.config.get_text_config().vocab_size
