@@ -131,7 +131,9 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.device)
         owner = torch.repeat_interleave(
-            torch.arange(len(tables), device=self.device), torch.tensor(counts, device=self.device)
+            torch.arange(len(tables), device=self.device),
+            torch.tensor(counts, device=self.device),
+            output_size=sum(counts),  # known here: on a GPU, finding it would wait for the device
         )
         return padded[owner, positions // self.block_size] * self.block_size + positions % self.block_size
 
@@ -168,8 +170,9 @@ class ModelRunner:
         return groups
 
     def _decode_group(self, seqs: list[Sequence], start: int) -> DecodeGroup:
-        lengths = torch.tensor([s.num_computed_tokens + 1 for s in seqs], device=self.device)
-        blocks = -(-int(lengths.max()) // self.block_size)
+        context = [s.num_computed_tokens + 1 for s in seqs]
+        lengths = torch.tensor(context, device=self.device)
+        blocks = -(-max(context) // self.block_size)
         width = blocks * self.block_size
         padding = torch.arange(width, device=self.device).unsqueeze(0) >= lengths.unsqueeze(1)
         rows = self._gather_rows([s.block_table for s in seqs], blocks)
