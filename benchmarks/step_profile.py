@@ -40,7 +40,7 @@ STEPS: list[tuple[str, list[tuple[int, int]]]] = [
     ("1 decode at 64", [(64, 1)]),
     ("4 decodes at 64", [(64, 1)] * 4),
     ("16 decodes at 64", [(64, 1)] * 16),
-    ("16 decodes at 1000", [(1000, 1)] * 16),
+    ("16 decodes at 500", [(500, 1)] * 16),
     ("prompt of 16", [(0, 16)]),
     ("prompt of 37", [(0, 37)]),
     ("prompt of 64", [(0, 64)]),

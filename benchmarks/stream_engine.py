@@ -806,6 +806,7 @@ def main() -> None:
                         help="workers step their engine on a thread (slogate worker --in-process), not in a "
                              "process of their own")
     parser.add_argument("--skip-in-process", action="store_true", help="skip the engines without the gateway")
+    parser.add_argument("--skip-gateway", action="store_true", help="only the engines in process (and transformers)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", help="results file name under benchmarks/results (default: from the options)")
@@ -820,8 +821,11 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = make_prompts(tokenizer, args)
         long_tokens = [len(tokenizer(long).input_ids) for _, _, long in prompts.long]
-        rows, gateway_prefill, fits = run_gateway(args, model_dir, prompts, threads)
-        fits = {"worker (first heartbeat)": fits}
+        rows: list[dict[str, Any]] = []
+        gateway_prefill: list[dict[str, Any]] = []
+        fits: dict[str, dict[str, float]] = {}
+        if not args.skip_gateway:
+            rows, gateway_prefill, fits["worker (first heartbeat)"] = run_gateway(args, model_dir, prompts, threads)
         if not args.skip_in_process:
             in_process, engine_prefill, fits["in process"] = run_in_process(args, model_dir, prompts, threads)
             rows += in_process
