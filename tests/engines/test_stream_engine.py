@@ -331,10 +331,9 @@ def test_an_earlier_deadline_overtakes_a_prompt_being_prefilled(make, loaded: Lo
 
 
 def test_a_burst_of_short_prompts_is_not_let_in_one_per_step(make) -> None:
-    """Even when the stall allowance lets no prompt work in, each step takes whole short
-    prompts up to ``short_prompt_tokens`` within the step budget, so a burst gets its first
-    tokens together."""
-    engine = make(max_batch=16, max_stall_ratio=0.0, short_prompt_tokens=512)
+    """Even when decoding alone fills the step budget, each step takes whole short prompts up
+    to ``short_prompt_tokens``, so a burst gets its first tokens together."""
+    engine = make(max_batch=16, step_budget_ms=0.001, short_prompt_tokens=512)
     engine.add_request(request("running", "one stream already decoding", max_tokens=64, ignore_eos=True))
     engine.step()
     for i in range(15):

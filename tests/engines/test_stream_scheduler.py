@@ -84,7 +84,7 @@ def test_the_most_urgent_prompt_advances_even_when_decoding_fills_the_step():
 
 
 def test_short_prompts_enter_whole_up_to_their_floor_and_long_ones_wait_their_turn():
-    sch = scheduler(max_stall_ratio=0.0, short_prompt_tokens=100)
+    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=100)
     sch.add(seq("running", 10))
     step(sch)
     for i in range(3):
@@ -92,31 +92,6 @@ def test_short_prompts_enter_whole_up_to_their_floor_and_long_ones_wait_their_tu
     got = plan(step(sch))
     assert got == {"running": 1, "short0": 40, "short1": 40}
     assert plan(step(sch)) == {"running": 1, "short0": 1, "short1": 1, "short2": 40}
-
-
-def test_a_burst_larger_than_the_step_budget_enters_over_several_steps():
-    """Short prompts may go past the stall allowance but not past the budget: 1 ms here is
-    100 tokens of prompt work, two prompts of 40."""
-    sch = scheduler(max_stall_ratio=0.0, step_budget_s=0.001)
-    sch.add(seq("running", 10))
-    step(sch)
-    for i in range(5):
-        sch.add(seq(f"short{i}", 40, deadline=50.0 + i))
-    starts = []
-    for _ in range(3):
-        batch = step(sch)
-        chunks = [(0, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1]
-        assert sch.cost.prefill_s(chunks) <= 0.001
-        starts.append(sorted(s.request_id for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1))
-    assert starts == [["short0", "short1"], ["short2", "short3"], ["short4"]]
-
-
-def test_a_short_prompt_that_alone_exceeds_the_budget_is_chunked():
-    sch = scheduler(max_stall_ratio=0.0, step_budget_s=0.001, min_chunk_tokens=16)
-    sch.add(seq("running", 10))
-    step(sch)
-    sch.add(seq("big", 300))
-    assert plan(step(sch)) == {"running": 1, "big": 16}
 
 
 def test_an_urgent_newcomer_goes_before_a_prompt_halfway_through():
