@@ -554,7 +554,8 @@ def targets(rows: list[dict[str, Any]], gateway_prefill: list[dict[str, Any]],
         if p["long_prompt"]:
             worst, median = p["token_worst_gap_s"], p["token_median_gap_s"]
             lines.append(f"- {p['contender']}: worst token gap during the long prefill {worst * 1000:.1f} ms vs 3x "
-                         f"median token gap {3 * median * 1000:.1f} ms (repeat {p['repeat']}): {met(worst <= 3 * median)}")
+                         f"median token gap {3 * median * 1000:.1f} ms (repeat {p['repeat']}): "
+                         f"{met(worst <= 3 * median)}")
     for p in gateway_prefill:
         if p["long_prompt"]:
             worst, median = p["token_worst_gap_s"], p["token_median_gap_s"]
@@ -603,7 +604,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
          "chunks/stream", "tokens/stream", "wall s", "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client",
          "Redis commands per token", "load 1m"],
         [[r["contender"], r["streams"], r["requests"], r["measured"], _ms_or_dash(r["start_spread_ms"]), r["errors"],
-          r["ttft_p50_ms"], r["ttft_p99_ms"], _ms_or_dash(r["ramp_ttft_p99_ms"]), r["chunk_gap_p50_ms"], r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
+          r["ttft_p50_ms"], r["ttft_p99_ms"], _ms_or_dash(r["ramp_ttft_p99_ms"]), r["chunk_gap_p50_ms"],
+          r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
           r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"], r["cpu_s"].get("gateway", "-"),
           r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"],
           r["redis_commands_per_token"] if r["redis_commands_per_token"] is not None else "-", r["loadavg_1m"]]
