@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from prometheus_client import start_http_server
 from redis.exceptions import RedisError, ResponseError
 
-from engines.base import Engine, EngineRequest, StepOutput
+from engines.base import LONG_PROMPT_CHARS, Engine, EngineRequest, StepOutput
 from engines.engine_process import EngineProcess
 from engines.engine_thread import EngineThread
 from engines.metrics import WorkerMetrics
@@ -187,7 +187,7 @@ class Worker:
                                   messages=r.messages) for r, _, _ in fresh]
         long: list[EngineRequest] = []
         for r in requests:
-            if _prompt_chars(r) > PREPARE_INLINE_CHARS:
+            if _prompt_chars(r) > LONG_PROMPT_CHARS:
                 long.append(r)
             else:
                 self.engine.send(("add", self._prepared(r)))
@@ -488,14 +488,6 @@ class Worker:
         self.metrics.claimed.inc(len(entries))
         await self._accept(entries, attempts)
 
-
-PREPARE_INLINE_CHARS = 2048
-"""Prompts up to this many characters (about 500 tokens, 0.4 ms to tokenize) are tokenized
-on the event loop as they arrive; longer ones on the prepare thread. The hop to that thread
-and back waits for the GIL on both sides: 1.4 ms at the median and up to 9 ms for a short
-prompt at 16 streams (tiny model), far more than tokenizing it, while a 2,000-token prompt
-tokenized between two steps adds its 2-3 ms to every stream's gap. The same threshold as
-``engines.runtime.loader.LONG_TEXT_CHARS``, above which the tokenizer lets go of the GIL."""
 
 
 def _prompt_chars(request: EngineRequest) -> int:

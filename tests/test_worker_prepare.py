@@ -9,9 +9,9 @@ import time
 
 import redis.asyncio as aioredis
 
-from engines.base import EngineRequest
+from engines.base import LONG_PROMPT_CHARS, EngineRequest
 from engines.sim import create
-from engines.worker import PREPARE_INLINE_CHARS, Worker, WorkerSettings
+from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
 from slogate.protocol import Final, GenerateRequest, SamplingParams
 
@@ -57,13 +57,13 @@ async def test_long_prompts_are_prepared_off_the_loop_and_all_are_served(redis_u
     engine = RecordingEngine()
     worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
     task = asyncio.create_task(worker.run())
-    prompts = {"short": "score txn 7", "long": "x " * PREPARE_INLINE_CHARS,
+    prompts = {"short": "score txn 7", "long": "x " * LONG_PROMPT_CHARS,
                "chat": None}
     try:
         for rid, prompt in prompts.items():
             req = GenerateRequest(id=rid, model="m", pool="p", cls="batch", sampling=SamplingParams(max_tokens=3),
                                   deadline=time.time() + 30, enqueued_at=time.time(), reply=REPLIES, prompt=prompt,
-                                  messages=[{"role": "user", "content": "y" * (PREPARE_INLINE_CHARS + 1)}]
+                                  messages=[{"role": "user", "content": "y" * (LONG_PROMPT_CHARS + 1)}]
                                   if prompt is None else None)
             await client.xadd(keys.queue("p"), {protocol.ID_FIELD: rid, protocol.FIELD: protocol.encode(req)})
         done = await finals(client, set(prompts))

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from engines.base import LONG_PROMPT_CHARS
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -59,13 +61,10 @@ def _ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-    if len(text) > LONG_TEXT_CHARS:
+    if len(text) > LONG_PROMPT_CHARS:
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-
-LONG_TEXT_CHARS = 2048
-"""As the worker's ``PREPARE_INLINE_CHARS``: longer texts are tokenized beside the loop."""
 
 
 def resolve_device(device: str) -> torch.device:
