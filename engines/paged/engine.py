@@ -51,6 +51,9 @@ class PagedOptions:
     pack_weights: bool = True
     """On CPU, run the model's linear layers on weights packed once for oneDNN
     (:mod:`engines.runtime.packed_linear`); off, they run as transformers ships them."""
+    cuda_graphs: bool = True
+    """On a GPU, run steps as CUDA graphs where they fit (:mod:`engines.paged.step_graphs`),
+    all captured at start-up (a few seconds)."""
 
 
 class PagedEngine:
@@ -70,7 +73,8 @@ class PagedEngine:
         )
         if opts.pack_weights:
             pack_linears(loaded.model, opts.max_num_seqs, warm_rows=opts.max_batched_tokens)
-        self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel)
+        self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel, opts.cuda_graphs,
+                                  loaded.max_context)
         self.capacity = opts.max_num_seqs
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []

@@ -11,15 +11,23 @@ language-model head.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from engines.paged import attention, native
 from engines.paged.attention import DecodeGroup, PagedMetadata, PrefillSpan
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
+from engines.paged.step_graphs import StepGraphs
+
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""Prompt attention on a GPU, cuDNN's left out: it builds a plan for every new shape, and each
+prompt length (each chunk of a long prompt) is one. On an H200 that made the first step of a
+new length 50 ms against 10 ms after it (430-580 ms with a mask), the flash kernels none."""
 
 GROUP_SPREAD = 1.5
 """A decode group's longest context is at most this many times its shortest: the padding it
@@ -56,36 +64,49 @@ class KVShape:
 
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int, kernel: str | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, num_blocks: int, block_size: int, kernel: str | None = None,
+                 cuda_graphs: bool = True, max_context: int = 2048) -> None:
         """``kernel``: decode attention on ``native``, ``torch`` or ``auto`` (see
-        :mod:`engines.paged.native`; None reads ``SLOGATE_PAGED_KERNEL``)."""
+        :mod:`engines.paged.native`; None reads ``SLOGATE_PAGED_KERNEL``). ``cuda_graphs``: on
+        a GPU, run the steps that fit as CUDA graphs (:mod:`engines.paged.step_graphs`) for
+        contexts up to ``max_context``."""
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.model = model
         self.block_size = block_size
-        self.num_slots = num_blocks * block_size
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         shape = KVShape.of(model)
         self.kv_heads = shape.kv_heads
+        graphs = cuda_graphs and self.device.type == "cuda"
+        pool_blocks = num_blocks + 1 if graphs else num_blocks  # the graphs' scratch block is the last
         self.kv_cache = torch.zeros(
-            2, shape.layers, shape.kv_heads, self.num_slots, shape.head_dim, dtype=dtype, device=self.device
+            2, shape.layers, shape.kv_heads, pool_blocks * block_size, shape.head_dim, dtype=dtype, device=self.device
         )
-        self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * num_blocks
+        self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * pool_blocks
         self.native = self.device.type == "cpu" and native.use_native(kernel)
+        self.graphs: StepGraphs | None = None
+        if graphs:
+            self.graphs = StepGraphs(model, self.kv_cache, block_size, num_blocks, max_context, capture=True)
+            self.graphs.capture_all()  # at start-up, not in the first requests that meet each shape
 
     @torch.inference_mode()
     def run(self, sched: Schedule) -> tuple[list[int], torch.Tensor]:
         """Logits [n, vocab] of the next token for the sequences that sample one this step,
         with their positions in ``sched``."""
+        key = self.graphs.key(sched) if self.graphs is not None else None
+        if key is not None:
+            return self.graphs.run(sched, key)
         inputs = self.prepare(sched)
-        logits = self.model(
-            input_ids=inputs.input_ids.unsqueeze(0),
-            position_ids=inputs.positions.unsqueeze(0),
-            logits_to_keep=inputs.logit_rows,
-            use_cache=False,
-            paged=inputs.meta,
-        ).logits
+        backends = sdpa_kernel(PREFILL_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
+        with backends:
+            logits = self.model(
+                input_ids=inputs.input_ids.unsqueeze(0),
+                position_ids=inputs.positions.unsqueeze(0),
+                logits_to_keep=inputs.logit_rows,
+                use_cache=False,
+                paged=inputs.meta,
+            ).logits
         return inputs.sampled, logits[0] if logits.dim() == 3 else logits
 
     def prepare(self, sched: Schedule) -> StepInputs:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.base import EngineLoad
+from engines.paged import step_graphs
 from engines.paged.engine import PagedEngine, PagedOptions
 from engines.paged.model_runner import KVShape
 from engines.paged.scheduler import Schedule
@@ -46,6 +47,9 @@ class StreamOptions:
     enable_prefix_caching: bool = True
     pack_weights: bool = True
     """As for the paged engine (:class:`engines.paged.PagedOptions`)."""
+    cuda_graphs: bool = True
+    """As for the paged engine; with graphs, while streams decode a step takes no more tokens
+    than a graph runs."""
     warmup: bool = True
 
 
@@ -65,9 +69,11 @@ class StreamEngine(PagedEngine):
             max_batched_tokens=max(opts.max_step_tokens, opts.max_batch),
             enable_prefix_caching=opts.enable_prefix_caching,
             pack_weights=opts.pack_weights,
+            cuda_graphs=opts.cuda_graphs,
         ))
         self.policy = LatencyPolicy(opts.step_budget_ms / 1000.0, opts.max_stall_ratio, opts.min_chunk_tokens,
-                                    opts.short_prompt_tokens, opts.prefill_chunk_tokens)
+                                    opts.short_prompt_tokens, opts.prefill_chunk_tokens,
+                                    step_graphs.MAX_ROWS if self.runner.graphs is not None else None)
         # Same blocks and queues as the paged engine's scheduler; only the choice of each step differs.
         self.scheduler = LatencyScheduler(
             self.block_manager, opts.max_batch, max(opts.max_step_tokens, opts.max_batch), loaded.max_context,

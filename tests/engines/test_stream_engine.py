@@ -139,13 +139,13 @@ def scripted_model(loaded: LoadedModel, text: str, prompt: str) -> torch.nn.Modu
     script = loaded.tokenizer(text, add_special_tokens=False).input_ids + [loaded.tokenizer.eos_token_id]
     prompt_len = len(loaded.encode(prompt, None))
     model = copy.deepcopy(loaded.model)
+    said = torch.tensor(script, device=loaded.device)
 
     def say(module, args, kwargs, output):
+        """On device tensors only, so that a CUDA graph can capture it too."""
         positions = kwargs["position_ids"][0, kwargs["logits_to_keep"]]
-        logits = torch.full_like(output.logits, -1e9)
-        for row, p in enumerate(positions.tolist()):
-            logits[0, row, script[p + 1 - prompt_len]] = 0.0
-        output.logits = logits
+        tokens = said[(positions + 1 - prompt_len).clamp(0, len(script) - 1)]
+        output.logits = torch.full_like(output.logits, -1e9).scatter_(-1, tokens.view(1, -1, 1), 0.0)
         return output
 
     model.register_forward_hook(say, with_kwargs=True)

@@ -115,3 +115,15 @@ def test_the_batch_never_exceeds_max_num_seqs_and_the_rest_waits_in_deadline_ord
     assert all(s.status is Status.RUNNING for s in sch.running)
     sch.finish(sch.running[0])
     assert set(plan(step(sch))) == {"b", "c"}
+
+
+def test_with_streams_decoding_a_step_takes_no_more_tokens_than_a_graph_runs():
+    sch = scheduler(step_budget_s=1.0, max_stall_ratio=1000.0, max_tokens_with_decodes=32)
+    for i in range(4):
+        sch.add(seq(f"s{i}", 20))
+    step(sch)
+    sch.add(seq("long", 500))
+    assert sum(step(sch).num_new_tokens) == 32
+    idle = scheduler(step_budget_s=1.0, max_tokens_with_decodes=32)
+    idle.add(seq("long", 500))
+    assert plan(step(idle)) == {"long": 500}, "with nothing decoding the cap does not apply"
