@@ -68,9 +68,12 @@ class StepGraphs:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def key(self, sched: Schedule) -> tuple[int, int] | None:
-        """The (rows, blocks) bucket that runs ``sched``, or None when it is too large."""
+        """The (rows, blocks) bucket that runs ``sched``, or None when it is too large. Blocks
+        count the context this step reaches, not the whole block table: a prompt's table is
+        allocated in full when it starts, and its first chunk must not gather all of it."""
         rows = bucket(sched.num_tokens)
-        blocks = bucket(max(len(s.block_table) for s in sched.seqs))
+        blocks = bucket(max(-(-(s.num_computed_tokens + n) // self.block_size)
+                            for s, n in zip(sched.seqs, sched.num_new_tokens)))
         if rows > MAX_ROWS or blocks > self.max_blocks or rows * blocks * self.block_size > MAX_ROW_POSITIONS:
             return None
         return rows, blocks
@@ -152,8 +155,9 @@ class StepGraphs:
             if sched.samples(i):
                 sampled.append(i)
                 keep.append(len(ids) - 1)
-            tables.extend(seq.block_table)
-            tables.extend([self.scratch_block] * (blocks - len(seq.block_table)))
+            table = seq.block_table[:blocks]
+            tables.extend(table)
+            tables.extend([self.scratch_block] * (blocks - len(table)))
         pad = rows - len(ids)
         tables.extend([self.scratch_block] * (blocks * (rows + 1 - len(sched.seqs))))
         host = torch.tensor(

@@ -48,23 +48,24 @@ def test_a_mixed_step_gives_the_eager_logits_and_padding_touches_only_the_scratc
     blocks = BlockManager(BLOCKS - 1, BLOCK)  # the scratch block is never handed out
     a, b, c = _seq("a", 21), _seq("b", 37), _seq("c", 9)
     runner.run(_schedule(blocks, [(a, 0, 20), (b, 0, 16)]))
-    sched = _schedule(blocks, [(a, 20, 1), (b, 16, 21), (c, 0, 9)])  # 31 rows: one of padding
+    parts = [(a, 20, 1), (b, 16, 12), (c, 0, 9)]  # b's chunk stops short of its prompt's end
+    sched = _schedule(blocks, parts)
     key = graphs.key(sched)
-    assert key == (32, bucket(max(len(s.block_table) for s in (a, b, c))))
+    assert key == (32, 8), "22 rows; 28 positions of b's 37 are reached: 7 of its 10 blocks"
 
     sampled, eager = runner.run(sched)
     before = runner.kv_cache.clone()
     graph_sampled, static = graphs.run(sched, key)
 
-    assert graph_sampled == sampled == [0, 1, 2]
+    assert graph_sampled == sampled == [0, 2]
     torch.testing.assert_close(static, eager, atol=1e-4, rtol=1e-4)
     assert static.argmax(-1).tolist() == eager.argmax(-1).tolist()
     changed = (runner.kv_cache != before).any(-1).flatten(0, 2).any(0).nonzero().flatten().tolist()
     step_slots = {s.block_table[p // BLOCK] * BLOCK + p % BLOCK
-                  for s, start, n in [(a, 20, 1), (b, 16, 21), (c, 0, 9)] for p in range(start, start + n)}
+                  for s, start, n in parts for p in range(start, start + n)}
     scratch = set(range(SCRATCH * BLOCK, (SCRATCH + 1) * BLOCK))
     assert set(changed) <= step_slots | scratch
-    assert set(changed) & scratch, "the padding row wrote its key into the scratch block"
+    assert set(changed) & scratch, "the padding rows wrote their keys into the scratch block"
 
 
 def test_steps_too_large_for_a_graph_run_eagerly(model):
@@ -74,5 +75,7 @@ def test_steps_too_large_for_a_graph_run_eagerly(model):
     assert [bucket(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
     fits = _schedule(blocks, [(_seq("fits", MAX_ROWS), 0, MAX_ROWS)])
     assert graphs.key(fits) == (MAX_ROWS, bucket(MAX_ROWS // BLOCK))
+    first_chunk = _schedule(blocks, [(_seq("chunk", 200), 0, 8)])
+    assert graphs.key(first_chunk) == (8, 2), "a chunk gathers the context it reaches, not its whole table"
     too_many = _schedule(blocks, [(_seq("long", MAX_ROWS + 1), 0, MAX_ROWS + 1)])
     assert graphs.key(too_many) is None
