@@ -53,7 +53,7 @@ class PagedOptions:
     (:mod:`engines.runtime.packed_linear`); off, they run as transformers ships them."""
     cuda_graphs: bool = True
     """On a GPU, run steps as CUDA graphs where they fit (:mod:`engines.paged.step_graphs`),
-    all captured at start-up (a few seconds)."""
+    all captured at start-up."""
 
 
 class PagedEngine:
