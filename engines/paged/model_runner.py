@@ -6,7 +6,8 @@ The cache is one preallocated tensor, [2, layers, kv_heads, slots, head_dim], wh
 flattened into one batch row, decodes first (shortest context first, so that groups of
 similar length pad little), so the model runs once per step whatever mix of decodes and
 prefill chunks the scheduler chose, and only the rows that sample a token reach the
-language-model head.
+language-model head. On a GPU the steps that fit run as CUDA graphs instead
+(:mod:`engines.paged.step_graphs`).
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from engines.paged.scheduler import Schedule
 MAX_ROWS = 256
 """Most tokens a step may run as a graph."""
 MAX_ROW_POSITIONS = 2**19
-"""Most rows times gathered context positions in a graph (the ~100M model gathers 128 KiB
-of keys and values per row and 128 positions, bf16: 512 MiB per layer at this bound)."""
+"""Most rows times gathered context positions in a graph: the ~100M model in bf16 gathers
+1 KiB of keys and values per row, position and layer, so 512 MiB per layer at this bound."""
 
 
 def bucket(n: int) -> int:
