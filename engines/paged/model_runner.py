@@ -13,6 +13,7 @@ language-model head. On a GPU the steps that fit run as CUDA graphs instead
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from engines.paged.attention import DecodeGroup, PagedMetadata, PrefillSpan
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
 from engines.paged.step_graphs import StepGraphs
+
+log = logging.getLogger(__name__)
 
 PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """Prompt attention on a GPU, cuDNN's left out: it builds a plan for every new shape, and each
@@ -89,7 +92,11 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         if graphs:
             self.graphs = StepGraphs(model, self.kv_cache, block_size, num_blocks, max_context, capture=True)
-            self.graphs.capture_all()  # at start-up, not in the first requests that meet each shape
+            try:
+                self.graphs.capture_all()  # at start-up, not in the first requests that meet each shape
+            except RuntimeError as exc:  # a forward a graph cannot hold (one that waits on the device, say)
+                log.warning("CUDA graphs are off, the steps run eagerly: capturing one failed (%s)", exc)
+                self.graphs = None
 
     @torch.inference_mode()
     def run(self, sched: Schedule) -> tuple[list[int], torch.Tensor]:

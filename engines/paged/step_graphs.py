@@ -16,8 +16,8 @@ blocks) bucket, all sharing one memory pool. Padding rows point at a scratch blo
 block manager never hands out.
 
 The cost of that uniformity is that every row gathers its whole context, so a bucket is only
-captured while rows times context positions stays under :data:`MAX_ROW_POSITIONS`; larger
-steps run eagerly.
+captured while what its rows gather stays under :data:`MAX_GATHER_BYTES`; larger steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from engines.paged.scheduler import Schedule
 
 MAX_ROWS = 256
 """Most tokens a step may run as a graph."""
-MAX_ROW_POSITIONS = 2**19
-"""Most rows times gathered context positions in a graph: the ~100M model in bf16 gathers
-1 KiB of keys and values per row, position and layer, so 512 MiB per layer at this bound."""
+MAX_GATHER_BYTES = 512 * 2**20
+"""Most keys and values one layer of a graph gathers (rows times context positions times
+their size): 2^19 row-positions of the ~100M model in bf16 (1 KiB each), so 256 rows reach
+2,048 positions; 2^17 of an 8B Llama (4 KiB)."""
 
 
 def bucket(n: int) -> int:
@@ -64,6 +65,8 @@ class StepGraphs:
         kv_heads = kv_cache.shape[2]
         self._head_offsets = torch.arange(kv_heads, device=self.device) * (kv_cache.shape[3] // block_size)
         self.max_blocks = bucket(-(-max_context // block_size))
+        position_bytes = 2 * kv_heads * kv_cache.shape[4] * kv_cache.element_size()
+        self.max_row_positions = MAX_GATHER_BYTES // position_bytes
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -74,9 +77,7 @@ class StepGraphs:
         rows = bucket(sched.num_tokens)
         blocks = bucket(max(-(-(s.num_computed_tokens + n) // self.block_size)
                             for s, n in zip(sched.seqs, sched.num_new_tokens)))
-        if rows > MAX_ROWS or blocks > self.max_blocks or rows * blocks * self.block_size > MAX_ROW_POSITIONS:
-            return None
-        return rows, blocks
+        return (rows, blocks) if self._fits(rows, blocks) else None
 
     @torch.inference_mode()
     def run(self, sched: Schedule, key: tuple[int, int]) -> tuple[list[int], torch.Tensor]:
@@ -97,8 +98,12 @@ class StepGraphs:
         no request pays a capture."""
         for rows in reversed([1 << i for i in range(MAX_ROWS.bit_length())]):
             for blocks in reversed([1 << i for i in range(self.max_blocks.bit_length())]):
-                if rows * blocks * self.block_size <= MAX_ROW_POSITIONS and (rows, blocks) not in self._graphs:
+                if self._fits(rows, blocks) and (rows, blocks) not in self._graphs:
                     self._build(rows, blocks)
+
+    def _fits(self, rows: int, blocks: int) -> bool:
+        positions = rows * blocks * self.block_size
+        return rows <= MAX_ROWS and blocks <= self.max_blocks and positions <= self.max_row_positions
 
     def _build(self, rows: int, blocks: int) -> _Captured:
         inputs = torch.zeros(4 * rows + (rows + 1) * blocks, dtype=torch.long, device=self.device)
