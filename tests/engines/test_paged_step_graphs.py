@@ -1,7 +1,7 @@
 """The static-shape step that CUDA graphs replay (:mod:`engines.paged.step_graphs`), run
-eagerly here: the same logits as the model runner's own path for a step that mixes decodes,
-a prompt chunk deep in its context and a whole prompt, with padding rows that write nowhere
-but the scratch block. On a GPU the engine tests run it captured."""
+eagerly here: the same logits as the model runner's own path for a step that mixes a decode,
+a prompt chunk from the middle of its prompt and a whole prompt, with padding rows that write
+nowhere but the scratch block. On a GPU the engine tests run it captured."""
 
 from __future__ import annotations
 
