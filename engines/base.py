@@ -10,6 +10,7 @@ event loop and only reads counters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -86,7 +87,10 @@ class Engine(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def step(self) -> list[StepOutput]:
-        """Advance every scheduled request by one step."""
+    def step(self, arrivals: Callable[[], bool] | None = None) -> list[StepOutput]:
+        """Advance every scheduled request by one step. ``arrivals``, which the engine may
+        call while it steps, adds the requests that came since (through ``add_request``) and
+        says whether there were any: an engine that can take them into the step in progress
+        does, instead of leaving them for the next one."""
 
     def load(self) -> EngineLoad: ...

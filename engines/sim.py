@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,7 +109,8 @@ class SimEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._errors)
 
-    def step(self) -> list[StepOutput]:
+    def step(self, arrivals: Callable[[], bool] | None = None) -> list[StepOutput]:
+        """One simulated step; arrivals wait for the next (the simulated step has no layers)."""
         outputs, self._errors = self._errors, []
         t = self.timing
         prefill_tokens = 0

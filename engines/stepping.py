@@ -3,7 +3,10 @@
 The same loop runs in an engine process (:mod:`engines.engine_process`) and on a thread of the
 worker (:mod:`engines.engine_thread`); only where commands come from and where reports go
 differ. Every command queued is applied before the next step, so a request cancelled before
-the engine saw it is added and dropped in the same pass, never stepped.
+the engine saw it is added and dropped in the same pass, never stepped. While a step runs, the
+engine may look for arrivals (``step(arrivals)``): requests that came meanwhile are added then,
+so a stream engine can take them into the step; cancels and the stop wait for the step's end,
+since the step still holds what they would free.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +63,18 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
     held: set[str] = set()  # what the engine holds, so a failed step can drop it all
     stopping = False
     idle_reported = True
+    deferred: deque[Command] = deque()  # what arrived during a step and waits for its end
+
+    def arrivals() -> bool:
+        added = False
+        while (command := next_command(False)) is not None:
+            if command[0] == "add":
+                held.add(command[1].id)
+                engine.add_request(command[1])
+                added = True
+            else:
+                deferred.append(command)
+        return added
     while True:
         busy = engine.has_unfinished()
         if stopping and not busy:
@@ -66,7 +82,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
         if not busy and not idle_reported:
             report(Idle(engine.load()))
             idle_reported = True
-        command = next_command(not busy)
+        command = deferred.popleft() if deferred else next_command(not busy)
         if command is not None:
             kind, *body = command
             if kind == "add":
@@ -80,7 +96,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             continue
         started = time.perf_counter()
         try:
-            outputs = engine.step()
+            outputs = engine.step(arrivals)
         except Exception:  # an engine bug or out of memory: fail what it held, keep serving
             log.exception("engine step failed; failing the %d request(s) it held", len(held))
             for request_id in held:

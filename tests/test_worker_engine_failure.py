@@ -29,11 +29,11 @@ class FlakyEngine:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def step(self):
+    def step(self, arrivals=None):
         if not self.failed:
             self.failed = True
             raise RuntimeError("CUDA out of memory (simulated)")
-        return self.inner.step()
+        return self.inner.step(arrivals)
 
 
 async def results(client: aioredis.Redis, request_id: str, timeout: float = 5.0) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from engines.base import EngineLoad, EngineRequest, StepOutput
 from engines.paged.block_manager import BlockManager
 from engines.paged.model_runner import KVShape, ModelRunner
-from engines.paged.scheduler import Scheduler
+from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.loader import LoadedModel
@@ -117,14 +118,14 @@ class PagedEngine:
     def has_unfinished(self) -> bool:
         return bool(self._pending or self._live)
 
-    def step(self) -> list[StepOutput]:
+    def step(self, arrivals: Callable[[], bool] | None = None) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(self.clock()))
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return outputs
         started = time.perf_counter()
-        sampled, logits = self.runner.run(sched)
+        sampled, logits = self._forward(sched, arrivals)
         lives = [self._live[sched.seqs[i].request_id] for i in sampled]
         tokens = sample(
             logits,
@@ -138,6 +139,11 @@ class PagedEngine:
         for live, token in zip(lives, tokens):
             outputs.append(self._emit(live, token))
         return outputs
+
+    def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None) -> tuple[list[int], torch.Tensor]:
+        """The step's pass. A batch step takes newcomers at the next one: its steps are long
+        anyway, and throughput, not the first token, is what it serves."""
+        return self.runner.run(sched)
 
     def load(self) -> EngineLoad:
         return EngineLoad(

@@ -10,6 +10,7 @@ to price prompt chunks before the first request arrives.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,9 @@ class StreamOptions:
     cuda_graphs: bool = True
     """As for the paged engine; with graphs, while streams decode a step takes no more tokens
     than a graph runs."""
+    mid_step_joins: bool = True
+    """Let a request that arrives while a step runs join it between two layers, where the
+    model allows (:mod:`engines.paged.layered`), instead of waiting for the next step."""
     warmup: bool = True
 
 
@@ -80,6 +84,7 @@ class StreamEngine(PagedEngine):
             StepCost(0.0, 1e-4, 1e-5, 0.0), self.policy,
         )
         self.block_bytes = block_bytes
+        self.mid_step_joins = opts.mid_step_joins
         self.prefill_step_s = Ewma()
         if opts.warmup:
             self._warmup()
@@ -107,9 +112,25 @@ class StreamEngine(PagedEngine):
         """Bytes of the KV pool that requests hold (blocks in use)."""
         return (self.block_manager.num_blocks - self.block_manager.num_free_blocks) * self.block_bytes
 
+    def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None) -> tuple[list[int], torch.Tensor]:
+        """The step's pass; between its layers ``arrivals`` takes in what the worker sent
+        meanwhile (True when it added a request), and the newcomers the step has room for join."""
+        decoder = self.runner.decoder
+        if arrivals is None or not self.mid_step_joins or decoder is None:
+            return self.runner.run(sched)
+
+        def join(passed: int) -> Schedule | None:
+            if not arrivals():
+                return None
+            extra = self.scheduler.join(sched, passed / len(decoder.layers))
+            return extra if extra.seqs else None
+
+        return self.runner.run(sched, join)
+
     def _record_timing(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
         super()._record_timing(seconds, num_tokens, num_seqs)
-        self.cost.observe(*self.scheduler.last_plan, seconds)
+        if self.scheduler.last_plan is not None:
+            self.cost.observe(*self.scheduler.last_plan, seconds)
         if num_tokens > num_seqs:
             self.prefill_step_s.add(seconds)
 

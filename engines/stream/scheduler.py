@@ -42,15 +42,26 @@ class LatencyPolicy:
     a prompt chunk never drops the streams' step onto the eager path (~6x slower there)."""
 
 
+@dataclass
+class _Left:
+    """What the step being built may still take."""
+
+    time_s: float
+    tokens: int
+    short_tokens: int
+    """Of :attr:`LatencyPolicy.short_prompt_tokens`."""
+
+
 class LatencyScheduler(Scheduler):
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_step_tokens: int,
                  max_model_len: int, cost: StepCost, policy: LatencyPolicy) -> None:
         super().__init__(block_manager, max_num_seqs, max_step_tokens, max_model_len)
         self.cost = cost
         self.policy = policy
-        self.last_plan: tuple[int, list[tuple[int, int]]] = (0, [])
+        self.last_plan: tuple[int, list[tuple[int, int]]] | None = (0, [])
         """Decode rows and prompt chunks ``(start, tokens)`` of the last schedule, which the
-        engine's measured step time is set against."""
+        engine's measured step time is set against; None once requests joined it."""
+        self._left = _Left(0.0, 0, 0)
 
     def schedule(self) -> Schedule:
         sched = Schedule()
@@ -61,10 +72,31 @@ class LatencyScheduler(Scheduler):
             self.block_manager.may_append(seq)
             sched.add(seq, 1)
         decodes = len(sched.seqs)
-        self._fill_with_prompts(sched, decodes)
+        p = self.policy
+        tokens_left = p.fixed_chunk_tokens if p.fixed_chunk_tokens is not None else self.max_batched_tokens - decodes
+        if decodes and p.max_tokens_with_decodes is not None:
+            tokens_left = min(tokens_left, p.max_tokens_with_decodes - decodes)
+        self._left = _Left(self.allowance_s(decodes), tokens_left, p.short_prompt_tokens)
+        prefilling = [s for s in self.running if s.is_prefilling and s.status is Status.RUNNING]
+        self._fill_with_prompts(sched, prefilling + (self.waiting if not sched.preempted else []), floor=True)
         chunks = [(s.num_computed_tokens, n) for s, n in zip(sched.seqs[decodes:], sched.num_new_tokens[decodes:])]
         self.last_plan = (decodes, chunks)
         return sched
+
+    def join(self, sched: Schedule, passed: float) -> Schedule:
+        """Waiting requests that may join ``sched`` while it runs, with ``passed`` of its
+        layers behind it (see :mod:`engines.paged.layered`): what the step had left of its
+        allowance, less the newcomers' pass alone through those layers. Their chunks are at
+        least two tokens, so that the model runner lays them out after the step's own rows."""
+        extra = Schedule()
+        if sched.preempted or not self.waiting:
+            return extra
+        self._left.time_s -= passed * self.cost.decode_step_s(0)
+        has_prompts = self.last_plan is None or bool(self.last_plan[1])
+        self._fill_with_prompts(extra, list(self.waiting), floor=not has_prompts, min_tokens=2)
+        if extra.seqs:
+            self.last_plan = None  # a joined step is not a shape the cost model can learn from
+        return extra
 
     def allowance_s(self, decodes: int) -> float:
         """Seconds of prompt work a step with ``decodes`` decode rows may take."""
@@ -72,41 +104,39 @@ class LatencyScheduler(Scheduler):
             return float("inf")
         return min(self.policy.step_budget_s, self.policy.max_stall_ratio * self.cost.decode_step_s(decodes))
 
-    def _fill_with_prompts(self, sched: Schedule, decodes: int) -> None:
-        p = self.policy
-        time_left = self.allowance_s(decodes)
-        tokens_left = (p.fixed_chunk_tokens if p.fixed_chunk_tokens is not None
-                       else self.max_batched_tokens - decodes)
-        if decodes and p.max_tokens_with_decodes is not None:
-            tokens_left = min(tokens_left, p.max_tokens_with_decodes - decodes)
-        short_left = p.short_prompt_tokens
-        prefilling = [s for s in self.running if s.is_prefilling and s.status is Status.RUNNING]
-        waiting = self.waiting if not sched.preempted else []
-        for seq in sorted(prefilling + waiting, key=lambda s: s.priority):
-            if tokens_left <= 0:
+    def _fill_with_prompts(self, sched: Schedule, candidates: list[Sequence], floor: bool, min_tokens: int = 1) -> None:
+        """Add chunks of ``candidates`` to ``sched``, most urgent first, within what the step
+        has left (``self._left``, which this spends). With ``floor``, the first chunk is at
+        least :attr:`LatencyPolicy.min_chunk_tokens` whatever the time left."""
+        p, left = self.policy, self._left
+        for seq in sorted(candidates, key=lambda s: s.priority):
+            if left.tokens <= 0:
                 return
             start = seq.num_computed_tokens
             remaining = len(seq) - start
             if p.fixed_chunk_tokens is not None:
                 n = remaining
-            elif self.cost.prefill_s([(start, remaining)]) <= time_left:
+            elif self.cost.prefill_s([(start, remaining)]) <= left.time_s:
                 n = remaining
-            elif start == 0 and remaining <= short_left:
+            elif start == 0 and remaining <= left.short_tokens:
                 n = remaining
-                short_left -= remaining
+                left.short_tokens -= remaining
             else:
-                n = self.cost.tokens_within(time_left, start)
-                if not sched.num_new_tokens[decodes:]:
+                n = self.cost.tokens_within(left.time_s, start)
+                if floor:
                     n = max(n, p.min_chunk_tokens)
-            n = min(n, remaining, tokens_left)
-            if n <= 0:
+            n = min(n, remaining, left.tokens)
+            if n < min_tokens:
                 continue
             if seq.status is Status.WAITING and not self._start(seq):
                 continue
             n = min(n, len(seq) - seq.num_computed_tokens)
+            if n < min_tokens:  # the prefix cache left one token: it runs as a decode next step
+                continue
             sched.add(seq, n)
-            tokens_left -= n
-            time_left -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
+            floor = False
+            left.tokens -= n
+            left.time_s -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
 
     def _start(self, seq: Sequence) -> bool:
         """Move a waiting request into the batch if a slot and its blocks are free."""
