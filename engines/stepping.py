@@ -64,16 +64,20 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
     stopping = False
     idle_reported = True
     deferred: deque[Command] = deque()  # what arrived during a step and waits for its end
+    ended: list[BaseException] = []  # how next_command ended the loop during a step
 
     def arrivals() -> bool:
         added = False
-        while (command := next_command(False)) is not None:
-            if command[0] == "add":
-                held.add(command[1].id)
-                engine.add_request(command[1])
-                added = True
-            else:
-                deferred.append(command)
+        try:
+            while not ended and (command := next_command(False)) is not None:
+                if command[0] == "add":
+                    held.add(command[1].id)
+                    engine.add_request(command[1])
+                    added = True
+                else:
+                    deferred.append(command)
+        except BaseException as exc:  # noqa: BLE001 - raised again once the step is over, not as its failure
+            ended.append(exc)
         return added
     while True:
         busy = engine.has_unfinished()
@@ -107,3 +111,5 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
         held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
         idle_reported = False
         report(Step(outputs, time.perf_counter() - started, engine.load()))
+        if ended:
+            raise ended[0]

@@ -345,3 +345,33 @@ def test_a_burst_of_short_prompts_is_not_let_in_one_per_step(make) -> None:
     newcomers = [k for rid, k in first.items() if rid != "running"]
     assert len(newcomers) == 15
     assert max(newcomers) <= 3, f"first tokens at steps {sorted(newcomers)}"
+
+
+@pytest.mark.parametrize("joins", [True, False])
+def test_a_request_that_arrives_during_a_step_leaves_it_with_its_first_token(make, loaded: LoadedModel, joins):
+    engine = make(mid_step_joins=joins)
+    for i in range(2):
+        engine.add_request(request(f"s{i}", PROMPTS[i], max_tokens=8, ignore_eos=True))
+    steps = [engine.step()]
+    polls = []
+
+    def arrivals() -> bool:
+        polls.append(len(polls))
+        if len(polls) > 1:
+            return False
+        engine.add_request(request("late", PROMPTS[2], max_tokens=6, ignore_eos=True))
+        return True
+
+    steps.append(engine.step(arrivals))
+    assert polls == ([0] if joins else []), "the tiny model has two layers: one poll between them"
+    if not joins:
+        assert {o.request_id for o in steps[-1]} == {"s0", "s1"}
+        arrivals()  # as the engine loop does once the step is over
+        steps.append(engine.step(arrivals))
+    assert {o.request_id for o in steps[-1]} == {"s0", "s1", "late"}
+    steps += drain(engine)
+    outputs = by_request(steps)
+    assert tokens_of(outputs["late"]) == reference(loaded, loaded.encode(PROMPTS[2], None), 6, min_new_tokens=6)
+    for i in range(2):
+        assert tokens_of(outputs[f"s{i}"]) == reference(loaded, loaded.encode(PROMPTS[i], None), 8, min_new_tokens=8)
+    assert_pool_clean(engine)

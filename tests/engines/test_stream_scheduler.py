@@ -127,3 +127,53 @@ def test_with_streams_decoding_a_step_takes_no_more_tokens_than_a_graph_runs():
     idle = scheduler(step_budget_s=1.0, max_tokens_with_decodes=32)
     idle.add(seq("long", 500))
     assert plan(step(idle)) == {"long": 500}, "with nothing decoding the cap does not apply"
+
+
+def join_step(sch: LatencyScheduler, newcomers: list[Sequence], passed: float) -> tuple[Schedule, Schedule]:
+    """A step whose newcomers arrive while it runs, ``passed`` of the way through its layers."""
+    batch = sch.schedule()
+    for s in newcomers:
+        sch.add(s)
+    extra = sch.join(batch, passed)
+    batch.extend(extra)
+    sch.postprocess(batch, {i: 1 for i in range(len(batch.seqs)) if batch.samples(i)})
+    return batch, extra
+
+
+def test_newcomers_join_a_running_step_within_what_it_has_left():
+    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=50)
+    for i in range(2):
+        sch.add(seq(f"s{i}", 10))
+    step(sch)
+    newcomers = [seq("a", 30, deadline=1.0), seq("b", 30, deadline=2.0), seq("one", 1, deadline=0.5)]
+    batch, extra = join_step(sch, newcomers, passed=0.5)
+    assert plan(extra) == {"a": 30}, "b is past the short-prompt floor; a one-token prompt cannot join"
+    assert plan(batch) == {"s0": 1, "s1": 1, "a": 30}
+    assert sch.last_plan is None, "a joined step teaches the cost model nothing"
+    assert [s.request_id for s in sch.waiting] == ["one", "b"]
+    assert newcomers[0].status is Status.RUNNING and len(newcomers[0]) == 31, "a sampled its first token"
+    assert plan(step(sch)) == {"s0": 1, "s1": 1, "a": 1, "one": 1, "b": 30}
+
+
+def test_the_later_a_newcomer_joins_the_less_prompt_it_brings():
+    chunks = {}
+    for passed in (0.0, 1.0):
+        sch = scheduler(step_budget_s=0.002, short_prompt_tokens=0)
+        sch.add(seq("s0", 10))
+        step(sch)
+        _, extra = join_step(sch, [seq("long", 1000)], passed)
+        chunks[passed] = extra.num_new_tokens[0]
+    time_left = sch.allowance_s(1)
+    assert sch.cost.prefill_s([(0, chunks[0.0])]) <= time_left < sch.cost.prefill_s([(0, chunks[0.0] + 1)])
+    assert chunks[1.0] < chunks[0.0], "the newcomer's own pass through the layers behind comes off its time"
+
+
+def test_nothing_joins_a_full_batch_and_a_step_with_nothing_joining_still_teaches_the_cost_model():
+    sch = scheduler(max_num_seqs=2)
+    for i in range(2):
+        sch.add(seq(f"s{i}", 10))
+    step(sch)
+    batch, extra = join_step(sch, [seq("late", 20)], passed=0.5)
+    assert extra.seqs == [] and plan(batch) == {"s0": 1, "s1": 1}
+    assert sch.last_plan == (2, [])
+    assert [s.request_id for s in sch.waiting] == ["late"]

@@ -1,0 +1,99 @@
+"""The engine loop (:func:`engines.stepping.step_until_stopped`) with commands that arrive while
+a step runs: an add reaches the engine during the step, when the engine asks; a cancel and the
+stop wait for the step's end. The engine here is a recorder (what the loop does is the subject)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from engines.base import EngineLoad, EngineRequest, StepOutput
+from engines.stepping import Report, Step, step_until_stopped
+from slogate.protocol import SamplingParams
+
+
+class Recorder:
+    """Serves each request one token per step for ``tokens`` steps; logs every call."""
+
+    name, model_id, max_context = "recorder", "m", 64
+
+    def __init__(self, during_first_step: list[tuple]) -> None:
+        self.log: list[str] = []
+        self.live: dict[str, int] = {}
+        self.in_step = False
+        self.during_first_step = during_first_step
+        self.inbox: deque[tuple] = deque()
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.log.append(f"add {request.id}{' in step' if self.in_step else ''}")
+        self.live[request.id] = 3
+
+    def abort_request(self, request_id: str) -> None:
+        self.log.append(f"abort {request_id}{' in step' if self.in_step else ''}")
+        self.live.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self, arrivals=None) -> list[StepOutput]:
+        self.in_step = True
+        if self.during_first_step:
+            self.inbox.extend(self.during_first_step)
+            self.during_first_step = []
+            self.log.append(f"arrivals {arrivals()}")
+            self.log.append(f"arrivals {arrivals()}")
+        outputs = []
+        for rid in list(self.live):
+            self.live[rid] -= 1
+            done = self.live[rid] == 0
+            outputs.append(StepOutput(rid, "x", [1], "length" if done else None))
+            if done:
+                del self.live[rid]
+        self.in_step = False
+        self.log.append("step " + ",".join(o.request_id for o in outputs))
+        return outputs
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self.live), waiting=0, capacity=4)
+
+
+def request(rid: str) -> EngineRequest:
+    return EngineRequest(rid, SamplingParams(max_tokens=3), deadline=1e12, prompt="p")
+
+
+def test_adds_reach_the_engine_during_a_step_and_cancels_and_stop_wait_for_its_end():
+    engine = Recorder(during_first_step=[("add", request("b")), ("abort", "a"), ("add", request("c")), ("stop",)])
+    engine.inbox.append(("add", request("a")))
+    reports: list[Report] = []
+
+    def next_command(wait: bool):
+        return engine.inbox.popleft() if engine.inbox else None
+
+    step_until_stopped(engine, next_command, reports.append)
+
+    assert engine.log[:5] == ["add a", "add b in step", "add c in step", "arrivals True", "arrivals False"]
+    assert engine.log[5:8] == ["step a,b,c", "abort a", "step b,c"]
+    assert engine.log[8:] == ["step b,c"], "the stop lets what is held finish"
+    steps = [r for r in reports if isinstance(r, Step)]
+    assert [[o.request_id for o in s.outputs] for s in steps] == [["a", "b", "c"], ["b", "c"], ["b", "c"]]
+
+
+class WorkerGone(Exception):
+    pass
+
+
+def test_a_command_source_that_ends_during_a_step_ends_the_loop_after_it_not_as_its_failure():
+    engine = Recorder(during_first_step=[("gone",)])
+    engine.inbox.append(("add", request("a")))
+    reports: list[Report] = []
+
+    def next_command(wait: bool):
+        if engine.inbox and engine.inbox[0] == ("gone",):
+            raise WorkerGone
+        return engine.inbox.popleft() if engine.inbox else None
+
+    with pytest.raises(WorkerGone):
+        step_until_stopped(engine, next_command, reports.append)
+    assert engine.log == ["add a", "arrivals False", "arrivals False", "step a"]
+    assert [type(r) for r in reports] == [Step]
