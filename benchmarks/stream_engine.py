@@ -77,6 +77,7 @@ from engines.base import Engine, EngineRequest
 from engines.runtime.loader import resolve_device
 from engines.runtime.tiny_model import build_tiny_model
 from slogate import keys, protocol
+from slogate.cli import engine_options
 from slogate.cpus import parse_cpus
 from slogate.heap import freeze_startup_heap
 from slogate.local_redis import LocalRedis
@@ -284,10 +285,10 @@ def add_stream(engine: Engine, live: dict[str, Trace], rid: str, prompt: str, ma
     return trace
 
 
-def engine_step(engine: Engine, live: dict[str, Trace]) -> list[str]:
+def engine_step(engine: Engine, live: dict[str, Trace], arrivals: Callable[[], bool] | None = None) -> list[str]:
     """One step, timestamping every token and every output with text as it leaves ``step``;
-    returns the requests that finished."""
-    outputs = engine.step()
+    returns the requests that finished. ``arrivals``: as the engine loop hands a step."""
+    outputs = engine.step(arrivals)
     now = time.perf_counter()
     finished = []
     for out in outputs:
@@ -323,15 +324,21 @@ def engine_closed_loop(engine: Engine, level: Level) -> list[Trace]:
             traces.append(add_stream(engine, live, rid, *item, sent))
             traces[-1].first = first
 
-    while starts or engine.has_unfinished():
-        now = time.perf_counter()
+    def arrivals() -> bool:
+        """Sends the first requests whose start came, during a step too (as a worker would)."""
+        now, sent = time.perf_counter(), False
         while starts and starts[0][0] <= now:
             at, client = starts.pop(0)
             send(client, at, first=True)
+            sent = True
+        return sent
+
+    while starts or engine.has_unfinished():
+        arrivals()
         if not engine.has_unfinished():
-            time.sleep(max(0.0, starts[0][0] - now) if starts else 0.0)
+            time.sleep(max(0.0, starts[0][0] - time.perf_counter()) if starts else 0.0)
             continue
-        for rid in engine_step(engine, live):
+        for rid in engine_step(engine, live, arrivals):
             send(owner.pop(rid), time.perf_counter())
     return traces
 
@@ -386,7 +393,8 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     """Both engines in this process at the workers' thread count."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
-        "stream": stream.create(str(model_dir), dtype=args.dtype, device=args.device, max_batch=args.max_batch),
+        "stream": stream.create(str(model_dir), dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+                                **engine_options(args.stream_option)),
         "paged": paged.create(str(model_dir), dtype=args.dtype, device=args.device),
     }
     fit = warmup_fit(engines["stream"])
@@ -798,6 +806,9 @@ def main() -> None:
     parser.add_argument("--long-short-tokens", type=int, default=96, help="max_tokens of the 8 short streams")
     parser.add_argument("--long-repeats", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=16, help="the stream engine's max_batch")
+    parser.add_argument("--stream-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="another stream engine option, through the gateway and in process (as slogate "
+                             "worker -o; e.g. mid_step_joins=false for the A/B)")
     parser.add_argument("--threads", type=int,
                         help="torch threads of the workers and the in-process engines (default: as `slogate up` "
                              "sets them, the cores shared among the two workers)")
@@ -868,7 +879,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
             cpus = layout[1] if layout else None
             inside = args.engine_in_worker
             workers = {"stream": stack.worker("interactive", "stream", dtype, device, f"max_batch={args.max_batch}",
-                                              cpus=cpus, in_process=inside),
+                                              *args.stream_option, cpus=cpus, in_process=inside),
                        "paged": stack.worker("batch", "paged", dtype, device, cpus=cpus, in_process=inside)}
             if layout:
                 for pid in (0, redis.proc.pid):

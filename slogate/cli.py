@@ -12,7 +12,7 @@ from slogate import logs
 from slogate.config import Config, ConfigError, load_config
 
 
-def _engine_options(pairs: list[str]) -> dict[str, Any]:
+def engine_options(pairs: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` pairs; values are read as JSON when they parse (numbers, booleans)."""
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -56,7 +56,7 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
         threads = len(cpus) if threads is None else threads
     pool_cfg = cfg.pools.get(args.pool)
     engine_name = args.engine or (pool_cfg.engine if pool_cfg else "sim")
-    options = {**(pool_cfg.options if pool_cfg else {}), **_engine_options(args.option)}
+    options = {**(pool_cfg.options if pool_cfg else {}), **engine_options(args.option)}
     model, threads = args.model or cfg.model, worker_threads(cfg, threads)
     if engine_name in TORCH_ENGINES and not args.in_process:
         engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format)
@@ -97,7 +97,7 @@ def cmd_gen_key(args: argparse.Namespace, cfg: Config) -> None:
 def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
     from slogate.up import run_up
 
-    sys.exit(run_up(cfg, engine=args.engine, options=_engine_options(args.option)))
+    sys.exit(run_up(cfg, engine=args.engine, options=engine_options(args.option)))
 
 
 def build_parser() -> argparse.ArgumentParser:
