@@ -3,8 +3,10 @@
 It is the paged engine (the same model runner, paged KV cache, block manager, sampling and
 detokenization, so nothing is padded or copied when a request joins or leaves) driven by
 :class:`LatencyScheduler`: a small batch, earliest deadline first, and steps kept within a time
-budget so a long prompt never freezes the streams already running. Start-up times a few passes
-to price prompt chunks before the first request arrives.
+budget so a long prompt never freezes the streams already running. A request that arrives while
+a step runs joins it between two layers (:mod:`engines.paged.layered`), so its first token
+comes out of the step in progress rather than the one after. Start-up times a few passes to
+price prompt chunks before the first request arrives.
 """
 
 from __future__ import annotations

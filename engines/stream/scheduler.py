@@ -8,6 +8,16 @@ prompt work may add at most ``max_stall_ratio`` times a decode-only step, and ne
 ``step_budget_s``: a long prompt enters in chunks sized by :class:`StepCost` and the gap
 between a stream's tokens stays bounded. With no stream decoding there is no gap to protect,
 so the step takes every waiting prompt it can.
+
+A request that arrives while a step runs may join it between two layers
+(:mod:`engines.paged.layered`) with its whole prompt. A join makes the step longer by the
+newcomer's prompt and its pass alone through the layers behind, which the streams decoding
+would have paid in their next step anyway, but which delays the first token of every prompt
+in the step; the newcomer saves the whole next step. So a newcomer joins when what it saves is
+more than what the prompts in the step lose together, and while the step stays within
+``1 + max_stall_ratio`` times what it was planned to take, so it cannot keep growing for as
+long as requests keep arriving. A burst of prompts is then served step by step as before, and
+among decoding streams a newcomer gets its first token one step sooner.
 """
 
 from __future__ import annotations
@@ -42,16 +52,6 @@ class LatencyPolicy:
     a prompt chunk never drops the streams' step onto the eager path (~6x slower there)."""
 
 
-@dataclass
-class _Left:
-    """What the step being built may still take."""
-
-    time_s: float
-    tokens: int
-    short_tokens: int
-    """Of :attr:`LatencyPolicy.short_prompt_tokens`."""
-
-
 class LatencyScheduler(Scheduler):
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_step_tokens: int,
                  max_model_len: int, cost: StepCost, policy: LatencyPolicy) -> None:
@@ -61,7 +61,12 @@ class LatencyScheduler(Scheduler):
         self.last_plan: tuple[int, list[tuple[int, int]]] | None = (0, [])
         """Decode rows and prompt chunks ``(start, tokens)`` of the last schedule, which the
         engine's measured step time is set against; None once requests joined it."""
-        self._left = _Left(0.0, 0, 0)
+        self._join_s = 0.0
+        """What joins may still add to the step in progress."""
+        self._tokens_left = 0
+        self._decodes = 0
+        self._prompts = 0
+        """Prompt chunks in the step in progress, joiners included: whom a join delays."""
 
     def schedule(self) -> Schedule:
         sched = Schedule()
@@ -72,28 +77,36 @@ class LatencyScheduler(Scheduler):
             self.block_manager.may_append(seq)
             sched.add(seq, 1)
         decodes = len(sched.seqs)
-        p = self.policy
-        tokens_left = p.fixed_chunk_tokens if p.fixed_chunk_tokens is not None else self.max_batched_tokens - decodes
-        if decodes and p.max_tokens_with_decodes is not None:
-            tokens_left = min(tokens_left, p.max_tokens_with_decodes - decodes)
-        self._left = _Left(self.allowance_s(decodes), tokens_left, p.short_prompt_tokens)
-        prefilling = [s for s in self.running if s.is_prefilling and s.status is Status.RUNNING]
-        self._fill_with_prompts(sched, prefilling + (self.waiting if not sched.preempted else []), floor=True)
+        self._tokens_left = self._fill_with_prompts(sched, decodes)
         chunks = [(s.num_computed_tokens, n) for s, n in zip(sched.seqs[decodes:], sched.num_new_tokens[decodes:])]
         self.last_plan = (decodes, chunks)
+        self._join_s = self.policy.max_stall_ratio * self.cost.predict(decodes, chunks)
+        self._decodes, self._prompts = decodes, len(chunks)
         return sched
 
     def join(self, sched: Schedule, passed: float) -> Schedule:
-        """Waiting requests that may join ``sched`` while it runs, with ``passed`` of its
-        layers behind it (see :mod:`engines.paged.layered`): what the step had left of its
-        allowance, less the newcomers' pass alone through those layers. Their chunks are at
-        least two tokens, so that the model runner lays them out after the step's own rows."""
+        """Waiting requests that join ``sched`` now, with ``passed`` of its layers behind it:
+        whole prompts of two tokens or more (so the model runner lays their rows out after
+        the step's own), most urgent first, where joining is worth it (see above)."""
         extra = Schedule()
-        if sched.preempted or not self.waiting:
+        if sched.preempted:
             return extra
-        self._left.time_s -= passed * self.cost.decode_step_s(0)
-        has_prompts = self.last_plan is None or bool(self.last_plan[1])
-        self._fill_with_prompts(extra, list(self.waiting), floor=not has_prompts, min_tokens=2)
+        catch_up = passed * self.cost.decode_step_s(0)  # the newcomers' pass alone, paid once
+        for seq in sorted(self.waiting, key=lambda s: s.priority):
+            remaining = len(seq) - seq.num_computed_tokens
+            alone = 0.0 if extra.seqs else catch_up
+            work = self.cost.prefill_s([(seq.num_computed_tokens, remaining)]) + alone
+            saved = self.cost.decode_step_s(self._decodes + self._prompts) - alone
+            if (remaining < 2 or remaining > self._tokens_left or work > self._join_s or saved <= self._prompts * work
+                    or not self._start(seq)):
+                continue
+            n = len(seq) - seq.num_computed_tokens
+            if n < 2:  # the prefix cache left one token: it runs as a decode next step
+                continue
+            extra.add(seq, n)
+            self._join_s -= work
+            self._tokens_left -= n
+            self._prompts += 1
         if extra.seqs:
             self.last_plan = None  # a joined step is not a shape the cost model can learn from
         return extra
@@ -104,39 +117,43 @@ class LatencyScheduler(Scheduler):
             return float("inf")
         return min(self.policy.step_budget_s, self.policy.max_stall_ratio * self.cost.decode_step_s(decodes))
 
-    def _fill_with_prompts(self, sched: Schedule, candidates: list[Sequence], floor: bool, min_tokens: int = 1) -> None:
-        """Add chunks of ``candidates`` to ``sched``, most urgent first, within what the step
-        has left (``self._left``, which this spends). With ``floor``, the first chunk is at
-        least :attr:`LatencyPolicy.min_chunk_tokens` whatever the time left."""
-        p, left = self.policy, self._left
-        for seq in sorted(candidates, key=lambda s: s.priority):
-            if left.tokens <= 0:
-                return
+    def _fill_with_prompts(self, sched: Schedule, decodes: int) -> int:
+        """Add prompt chunks to ``sched``; returns how many more tokens the step may take."""
+        p = self.policy
+        time_left = self.allowance_s(decodes)
+        tokens_left = (p.fixed_chunk_tokens if p.fixed_chunk_tokens is not None
+                       else self.max_batched_tokens - decodes)
+        if decodes and p.max_tokens_with_decodes is not None:
+            tokens_left = min(tokens_left, p.max_tokens_with_decodes - decodes)
+        short_left = p.short_prompt_tokens
+        prefilling = [s for s in self.running if s.is_prefilling and s.status is Status.RUNNING]
+        waiting = self.waiting if not sched.preempted else []
+        for seq in sorted(prefilling + waiting, key=lambda s: s.priority):
+            if tokens_left <= 0:
+                break
             start = seq.num_computed_tokens
             remaining = len(seq) - start
             if p.fixed_chunk_tokens is not None:
                 n = remaining
-            elif self.cost.prefill_s([(start, remaining)]) <= left.time_s:
+            elif self.cost.prefill_s([(start, remaining)]) <= time_left:
                 n = remaining
-            elif start == 0 and remaining <= left.short_tokens:
+            elif start == 0 and remaining <= short_left:
                 n = remaining
-                left.short_tokens -= remaining
+                short_left -= remaining
             else:
-                n = self.cost.tokens_within(left.time_s, start)
-                if floor:
+                n = self.cost.tokens_within(time_left, start)
+                if not sched.num_new_tokens[decodes:]:
                     n = max(n, p.min_chunk_tokens)
-            n = min(n, remaining, left.tokens)
-            if n < min_tokens:
+            n = min(n, remaining, tokens_left)
+            if n <= 0:
                 continue
             if seq.status is Status.WAITING and not self._start(seq):
                 continue
             n = min(n, len(seq) - seq.num_computed_tokens)
-            if n < min_tokens:  # the prefix cache left one token: it runs as a decode next step
-                continue
             sched.add(seq, n)
-            floor = False
-            left.tokens -= n
-            left.time_s -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
+            tokens_left -= n
+            time_left -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
+        return tokens_left
 
     def _start(self, seq: Sequence) -> bool:
         """Move a waiting request into the batch if a slot and its blocks are free."""

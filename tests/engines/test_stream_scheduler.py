@@ -129,51 +129,70 @@ def test_with_streams_decoding_a_step_takes_no_more_tokens_than_a_graph_runs():
     assert plan(step(idle)) == {"long": 500}, "with nothing decoding the cap does not apply"
 
 
-def join_step(sch: LatencyScheduler, newcomers: list[Sequence], passed: float) -> tuple[Schedule, Schedule]:
-    """A step whose newcomers arrive while it runs, ``passed`` of the way through its layers."""
+def join_step(sch: LatencyScheduler, arrivals: list[tuple[float, list[Sequence]]]) -> tuple[Schedule, list[str]]:
+    """A step during which requests arrive: at each ``(passed, newcomers)``, ``passed`` of the
+    way through its layers. Returns the step and who joined it."""
     batch = sch.schedule()
-    for s in newcomers:
-        sch.add(s)
-    extra = sch.join(batch, passed)
-    batch.extend(extra)
+    joined = []
+    for passed, newcomers in arrivals:
+        for s in newcomers:
+            sch.add(s)
+        extra = sch.join(batch, passed)
+        joined += [s.request_id for s in extra.seqs]
+        batch.extend(extra)
     sch.postprocess(batch, {i: 1 for i in range(len(batch.seqs)) if batch.samples(i)})
-    return batch, extra
+    return batch, joined
 
 
-def test_newcomers_join_a_running_step_within_what_it_has_left():
-    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=50)
+def test_newcomers_join_a_running_step_whole_while_it_stays_within_twice_its_plan():
+    sch = scheduler()
     for i in range(2):
         sch.add(seq(f"s{i}", 10))
     step(sch)
-    newcomers = [seq("a", 30, deadline=1.0), seq("b", 30, deadline=2.0), seq("one", 1, deadline=0.5)]
-    batch, extra = join_step(sch, newcomers, passed=0.5)
-    assert plan(extra) == {"a": 30}, "b is past the short-prompt floor; a one-token prompt cannot join"
-    assert plan(batch) == {"s0": 1, "s1": 1, "a": 30}
+    newcomers = [seq("a", 30, deadline=1.0), seq("one", 1, deadline=0.5), seq("b", 30, deadline=2.0),
+                 seq("c", 30, deadline=3.0)]
+    # planned: 1 ms + 2 decodes; a's pass alone through half the layers is 0.5 ms, and each
+    # prompt 0.3 ms: a and b fit in the 1.2 ms a step may grow by, c does not
+    batch, joined = join_step(sch, [(0.5, newcomers)])
+    assert joined == ["a", "b"], "most urgent first; a one-token prompt cannot join"
+    assert plan(batch) == {"s0": 1, "s1": 1, "a": 30, "b": 30}
     assert sch.last_plan is None, "a joined step teaches the cost model nothing"
-    assert [s.request_id for s in sch.waiting] == ["one", "b"]
+    assert [s.request_id for s in sch.waiting] == ["one", "c"]
     assert newcomers[0].status is Status.RUNNING and len(newcomers[0]) == 31, "a sampled its first token"
-    assert plan(step(sch)) == {"s0": 1, "s1": 1, "a": 1, "one": 1, "b": 30}
+    assert plan(step(sch)) == {"s0": 1, "s1": 1, "a": 1, "b": 1, "one": 1, "c": 30}
 
 
-def test_the_later_a_newcomer_joins_the_less_prompt_it_brings():
-    chunks = {}
-    for passed in (0.0, 1.0):
-        sch = scheduler(step_budget_s=0.002, short_prompt_tokens=0)
-        sch.add(seq("s0", 10))
-        step(sch)
-        _, extra = join_step(sch, [seq("long", 1000)], passed)
-        chunks[passed] = extra.num_new_tokens[0]
-    time_left = sch.allowance_s(1)
-    assert sch.cost.prefill_s([(0, chunks[0.0])]) <= time_left < sch.cost.prefill_s([(0, chunks[0.0] + 1)])
-    assert chunks[1.0] < chunks[0.0], "the newcomer's own pass through the layers behind comes off its time"
-
-
-def test_nothing_joins_a_full_batch_and_a_step_with_nothing_joining_still_teaches_the_cost_model():
-    sch = scheduler(max_num_seqs=2)
-    for i in range(2):
+def test_a_step_stops_taking_newcomers_once_it_has_doubled():
+    sch = scheduler(max_num_seqs=16)
+    for i in range(8):
         sch.add(seq(f"s{i}", 10))
     step(sch)
-    batch, extra = join_step(sch, [seq("late", 20)], passed=0.5)
-    assert extra.seqs == [] and plan(batch) == {"s0": 1, "s1": 1}
-    assert sch.last_plan == (2, [])
-    assert [s.request_id for s in sch.waiting] == ["late"]
+    planned = sch.cost.predict(8)
+    _, joined = join_step(sch, [(k / 10, [seq(f"n{k}", 50)]) for k in range(1, 8)])
+    assert joined == ["n1", "n2"], "each brings 0.5 ms of prompt and its own pass alone: two fit in 1.8 ms"
+    added = sum(sch.cost.prefill_s([(0, 50)]) + k / 10 * sch.cost.fixed_s for k in (1, 2))
+    assert added <= planned
+    assert [s.request_id for s in sch.waiting] == [f"n{k}" for k in range(3, 8)]
+
+
+def test_a_newcomer_joins_a_step_of_prompts_only_if_it_saves_more_than_they_lose():
+    sch = scheduler()
+    for i in range(3):
+        sch.add(seq(f"p{i}", 40))
+    # the step's three prompts would each wait 0.6 ms more for a 50-token newcomer, which
+    # saves itself 1.2 ms (the next step); a 10-token one costs them 0.2 ms each
+    _, joined = join_step(sch, [(0.1, [seq("n50", 50, deadline=1.0), seq("n10", 10, deadline=2.0)])])
+    assert joined == ["n10"]
+    assert [s.request_id for s in sch.waiting] == ["n50"]
+
+
+def test_a_long_prompt_never_joins_in_part_and_a_full_batch_takes_no_one():
+    sch = scheduler(max_num_seqs=2)
+    sch.add(seq("s0", 10))
+    step(sch)
+    batch, joined = join_step(sch, [(0.0, [seq("long", 1000)])])
+    assert joined == [] and plan(batch) == {"s0": 1}
+    assert sch.last_plan == (1, []), "a step no one joined still teaches the cost model"
+    assert plan(step(sch))["long"] < 1000, "the next step takes it in chunks, as it would have"
+    _, joined = join_step(sch, [(0.0, [seq("short", 8)])])
+    assert joined == [], "the batch is full"
