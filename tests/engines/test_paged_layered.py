@@ -17,6 +17,7 @@ from engines.paged.model_runner import ModelRunner
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
 from slogate.protocol import SamplingParams
+from tests.engines.test_paged_step_graphs import schedule_parts
 
 BLOCK = 4
 BLOCKS = 64
@@ -36,16 +37,6 @@ def _seq(rid: str, n: int) -> Sequence:
     return Sequence(rid, [(13 * i + 3 * len(rid)) % 200 + 5 for i in range(n)], SamplingParams(max_tokens=4))
 
 
-def _schedule(blocks: BlockManager, parts: list[tuple[Sequence, int, int]]) -> Schedule:
-    sched = Schedule()
-    for seq, start, n in parts:
-        if not seq.block_table:
-            blocks.allocate(seq)
-        seq.num_computed_tokens = start
-        sched.add(seq, n)
-    return sched
-
-
 def _step(model: torch.nn.Module, kernel: str, joins: dict[int, list[tuple[int, int]]] | None,
           upfront: list[tuple[int, int]] = ()):
     """Two decodes and a prompt chunk, with the newcomers (index, tokens) that join at each
@@ -55,14 +46,14 @@ def _step(model: torch.nn.Module, kernel: str, joins: dict[int, list[tuple[int, 
     blocks = BlockManager(BLOCKS, BLOCK)
     a, b, c = _seq("a", 13), _seq("bb", 30), _seq("ccc", 40)
     newcomers = [_seq("new0", 9), _seq("new1", 17), _seq("new2", 6)]
-    runner.run(_schedule(blocks, [(a, 0, 12), (b, 0, 29), (c, 0, 16)]))
-    sched = _schedule(blocks, [(a, 12, 1), (c, 16, 11), (b, 29, 1)] + [(newcomers[i], 0, n) for i, n in upfront])
+    runner.run(schedule_parts(blocks, [(a, 0, 12), (b, 0, 29), (c, 0, 16)]))
+    sched = schedule_parts(blocks, [(a, 12, 1), (c, 16, 11), (b, 29, 1)] + [(newcomers[i], 0, n) for i, n in upfront])
     asked: list[int] = []
 
     def join(layer: int) -> Schedule | None:
         asked.append(layer)
         parts = [(newcomers[i], 0, n) for i, n in joins.get(layer, [])]
-        return _schedule(blocks, parts) if parts else None
+        return schedule_parts(blocks, parts) if parts else None
 
     sampled, logits = runner.run(sched, join if joins is not None else None)
     by_request = {sched.seqs[i].request_id: row for i, row in zip(sampled, logits)}

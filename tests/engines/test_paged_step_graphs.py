@@ -32,7 +32,7 @@ def _seq(rid: str, n: int) -> Sequence:
     return Sequence(rid, [(11 * i + len(rid)) % 200 + 5 for i in range(n)], SamplingParams(max_tokens=4))
 
 
-def _schedule(blocks: BlockManager, parts: list[tuple[Sequence, int, int]]) -> Schedule:
+def schedule_parts(blocks: BlockManager, parts: list[tuple[Sequence, int, int]]) -> Schedule:
     sched = Schedule()
     for seq, start, n in parts:
         if not seq.block_table:
@@ -47,9 +47,9 @@ def test_a_mixed_step_gives_the_eager_logits_and_padding_touches_only_the_scratc
     graphs = StepGraphs(model, runner.kv_cache, BLOCK, SCRATCH, max_context=256, capture=False)
     blocks = BlockManager(BLOCKS - 1, BLOCK)  # the scratch block is never handed out
     a, b, c = _seq("a", 21), _seq("b", 37), _seq("c", 9)
-    runner.run(_schedule(blocks, [(a, 0, 20), (b, 0, 16)]))
+    runner.run(schedule_parts(blocks, [(a, 0, 20), (b, 0, 16)]))
     parts = [(a, 20, 1), (b, 16, 12), (c, 0, 9)]  # b's chunk stops short of its prompt's end
-    sched = _schedule(blocks, parts)
+    sched = schedule_parts(blocks, parts)
     key = graphs.key(sched)
     assert key == (32, 8), "22 rows; 28 positions of b's 37 are reached: 7 of its 10 blocks"
 
@@ -73,9 +73,9 @@ def test_steps_too_large_for_a_graph_run_eagerly(model):
     graphs = StepGraphs(model, runner.kv_cache, BLOCK, SCRATCH, max_context=2048, capture=False)
     blocks = BlockManager(200, BLOCK)  # key() reads block tables only: no pool behind them
     assert [bucket(n) for n in (1, 2, 3, 16, 17)] == [1, 2, 4, 16, 32]
-    fits = _schedule(blocks, [(_seq("fits", MAX_ROWS), 0, MAX_ROWS)])
+    fits = schedule_parts(blocks, [(_seq("fits", MAX_ROWS), 0, MAX_ROWS)])
     assert graphs.key(fits) == (MAX_ROWS, bucket(MAX_ROWS // BLOCK))
-    first_chunk = _schedule(blocks, [(_seq("chunk", 200), 0, 8)])
+    first_chunk = schedule_parts(blocks, [(_seq("chunk", 200), 0, 8)])
     assert graphs.key(first_chunk) == (8, 2), "a chunk gathers the context it reaches, not its whole table"
-    too_many = _schedule(blocks, [(_seq("long", MAX_ROWS + 1), 0, MAX_ROWS + 1)])
+    too_many = schedule_parts(blocks, [(_seq("long", MAX_ROWS + 1), 0, MAX_ROWS + 1)])
     assert graphs.key(too_many) is None
