@@ -7,9 +7,9 @@ ran a whole step of its own: at 16 streams its time to first token was about twi
 request's, however the steps were scheduled. Run a layer at a time, the step looks for
 arrivals between layers. A newcomer runs alone through the layers the step has passed, its
 hidden states are appended to the step's, and the rest of the layers run them together, so it
-leaves this step with its first token. The streams' step grows by the newcomer's partial pass
-(those layers' weights read once more), which is less than the prompt work the newcomer would
-have added to their next step.
+leaves this step with its first token. The streams' step grows by the newcomer's prompt, which
+their next step would have carried anyway, and by its pass alone (those layers' weights read
+once more); when that is worth it is the scheduler's call (:mod:`engines.stream.scheduler`).
 
 Only models laid out as transformers' Llama run this way: token embedding, rotary embedding,
 decoder layers, final norm and head, with nothing else in between (no embedding scale, no

@@ -14,9 +14,9 @@ A request that arrives while a step runs may join it between two layers
 newcomer's prompt, which the streams decoding would have paid in their next step anyway, and
 by its pass alone through the layers behind; both delay the first token of every prompt in
 the step, while the newcomer saves the whole next step. So a newcomer joins when what it saves
-is more than what the prompts in the step lose together, and while the prompts that joined
-add at most ``max_stall_ratio`` times what the step was planned to take, so that it cannot
-keep growing for as long as requests keep arriving. A burst of prompts is then served step by
+is more than what the prompts in the step lose together, and while joins add at most
+``max_stall_ratio`` times what the step was planned to take, so that it cannot keep growing
+for as long as requests keep arriving. A burst of prompts is then served step by
 step as before, and among decoding streams a newcomer gets its first token a step sooner.
 """
 
@@ -62,7 +62,7 @@ class LatencyScheduler(Scheduler):
         """Decode rows and prompt chunks ``(start, tokens)`` of the last schedule, which the
         engine's measured step time is set against; None once requests joined it."""
         self._join_s = 0.0
-        """Prompt work that joins may still add to the step in progress."""
+        """What joins may still add to the step in progress."""
         self._tokens_left = 0
         self._decodes = 0
         self._prompts = 0
@@ -95,16 +95,16 @@ class LatencyScheduler(Scheduler):
         for seq in sorted(self.waiting, key=lambda s: s.priority):
             remaining = len(seq) - seq.num_computed_tokens
             alone = 0.0 if extra.seqs else catch_up
-            prompt = self.cost.prefill_s([(seq.num_computed_tokens, remaining)])
+            work = self.cost.prefill_s([(seq.num_computed_tokens, remaining)]) + alone
             saved = self.cost.decode_step_s(self._decodes + self._prompts) - alone
-            if (remaining < 2 or remaining > self._tokens_left or prompt > self._join_s
-                    or saved <= self._prompts * (prompt + alone) or not self._start(seq)):
+            if (remaining < 2 or remaining > self._tokens_left or work > self._join_s
+                    or saved <= self._prompts * work or not self._start(seq)):
                 continue
             n = len(seq) - seq.num_computed_tokens
             if n < 2:  # the prefix cache left one token: it runs as a decode next step
                 continue
             extra.add(seq, n)
-            self._join_s -= prompt
+            self._join_s -= work
             self._tokens_left -= n
             self._prompts += 1
         if extra.seqs:
