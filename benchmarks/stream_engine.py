@@ -914,9 +914,10 @@ def device_text(device: str) -> str:
 
 
 def engine_place_text(args: argparse.Namespace) -> str:
+    options = f"; stream engine options: {', '.join(args.stream_option)}" if args.stream_option else ""
     if args.engine_in_worker:
-        return ", each engine on a thread of its worker (--engine-in-worker)"
-    return ", each engine in a process of its own beside its worker"
+        return ", each engine on a thread of its worker (--engine-in-worker)" + options
+    return ", each engine in a process of its own beside its worker" + options
 
 
 def pinned_text(args: argparse.Namespace, threads: int) -> str:
