@@ -79,6 +79,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
         except BaseException as exc:  # noqa: BLE001 - raised again once the step is over, not as its failure
             ended.append(exc)
         return added
+
     while True:
         busy = engine.has_unfinished()
         if stopping and not busy:
