@@ -73,7 +73,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from benchmarks.loadgen import markdown_table, percentile
 from engines import paged, stream
-from engines.base import Engine, EngineRequest
+from engines.base import Engine, EngineRequest, StepOutput
 from engines.runtime.loader import resolve_device
 from engines.runtime.tiny_model import build_tiny_model
 from slogate import keys, protocol
@@ -286,22 +286,26 @@ def add_stream(engine: Engine, live: dict[str, Trace], rid: str, prompt: str, ma
 
 
 def engine_step(engine: Engine, live: dict[str, Trace], arrivals: Callable[[], bool] | None = None) -> list[str]:
-    """One step, timestamping every token and every output with text as it leaves ``step``;
-    returns the requests that finished. ``arrivals``: as the engine loop hands a step."""
-    outputs = engine.step(arrivals)
-    now = time.perf_counter()
-    finished = []
-    for out in outputs:
-        trace = live[out.request_id]
-        trace.token_times += [now] * len(out.token_ids)
-        if out.text:
-            trace.chunks.append(now)
-        trace.tokens = out.completion_tokens
-        if out.error:
-            trace.status = out.error_status
-        if out.finish_reason is not None:
-            del live[out.request_id]
-            finished.append(out.request_id)
+    """One step, timestamping every token and every output with text as it leaves the engine
+    (sent during the step or returned at its end); returns the requests that finished.
+    ``arrivals``: as the engine loop hands a step."""
+    finished: list[str] = []
+
+    def send(outputs: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            trace = live[out.request_id]
+            trace.token_times += [now] * len(out.token_ids)
+            if out.text:
+                trace.chunks.append(now)
+            trace.tokens = out.completion_tokens
+            if out.error:
+                trace.status = out.error_status
+            if out.finish_reason is not None:
+                del live[out.request_id]
+                finished.append(out.request_id)
+
+    send(engine.step(arrivals, send))
     return finished
 
 
@@ -808,7 +812,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="the stream engine's max_batch")
     parser.add_argument("--stream-option", action="append", default=[], metavar="KEY=VALUE",
                         help="another stream engine option, through the gateway and in process (as slogate "
-                             "worker -o; e.g. mid_step_joins=false for the A/B)")
+                             "worker -o; e.g. cut_ins_per_step=0 for the A/B)")
     parser.add_argument("--threads", type=int,
                         help="torch threads of the workers and the in-process engines (default: as `slogate up` "
                              "sets them, the cores shared among the two workers)")

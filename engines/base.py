@@ -67,6 +67,10 @@ class EngineLoad:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+Send = Callable[[list[StepOutput]], None]
+"""Hands outputs on while a step still runs."""
+
+
 class Engine(Protocol):
     name: str
     model_id: str
@@ -87,10 +91,12 @@ class Engine(Protocol):
 
     def has_unfinished(self) -> bool: ...
 
-    def step(self, arrivals: Callable[[], bool] | None = None) -> list[StepOutput]:
+    def step(self, arrivals: Callable[[], bool] | None = None,
+             send: Send | None = None) -> list[StepOutput]:
         """Advance every scheduled request by one step. ``arrivals``, which the engine may
         call while it steps, adds the requests that came since (through ``add_request``) and
-        says whether there were any: an engine that can take them into the step in progress
-        does, instead of leaving them for the next one."""
+        says whether there were any; ``send`` hands outputs on before the step ends. An
+        engine that can serve newcomers within the step in progress does, sending their
+        outputs at once, instead of leaving them for the next step."""
 
     def load(self) -> EngineLoad: ...

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import EngineLoad, EngineRequest, StepOutput
+from engines.base import EngineLoad, EngineRequest, Send, StepOutput
 
 WORDS = (
     "risk low medium high review score clear flag hold approve decline pattern velocity "
@@ -109,7 +109,8 @@ class SimEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._errors)
 
-    def step(self, arrivals: Callable[[], bool] | None = None) -> list[StepOutput]:
+    def step(self, arrivals: Callable[[], bool] | None = None,
+             send: Send | None = None) -> list[StepOutput]:
         """One simulated step; arrivals wait for the next (the simulated step has no layers)."""
         outputs, self._errors = self._errors, []
         t = self.timing

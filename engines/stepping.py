@@ -4,9 +4,9 @@ The same loop runs in an engine process (:mod:`engines.engine_process`) and on a
 worker (:mod:`engines.engine_thread`); only where commands come from and where reports go
 differ. Every command queued is applied before the next step, so a request cancelled before
 the engine saw it is added and dropped in the same pass, never stepped. While a step runs, the
-engine may look for arrivals (``step(arrivals)``): requests that came meanwhile are added then,
-so a stream engine can take them into the step; cancels and the stop wait for the step's end,
-since the step still holds what they would free.
+engine may look for arrivals (``step(arrivals, send)``): requests that came meanwhile are added
+then, so a stream engine can serve them within the step and send their outputs before it ends;
+cancels and the stop wait for the step's end, since the step still holds what they would free.
 """
 
 from __future__ import annotations
@@ -80,6 +80,15 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             ended.append(exc)
         return added
 
+    def send(outputs: list[StepOutput]) -> None:
+        """Report outputs, with the seconds since the step began or since the last report."""
+        nonlocal started
+        held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
+        now = time.perf_counter()
+        report(Step(outputs, now - started, engine.load()))
+        started = now
+
+    started = 0.0
     while True:
         busy = engine.has_unfinished()
         if stopping and not busy:
@@ -101,7 +110,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             continue
         started = time.perf_counter()
         try:
-            outputs = engine.step(arrivals)
+            outputs = engine.step(arrivals, send)
         except Exception:  # an engine bug or out of memory: fail what it held, keep serving
             log.exception("engine step failed; failing the %d request(s) it held", len(held))
             for request_id in held:
@@ -109,8 +118,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             report(Failure(held, traceback.format_exc(limit=1)))
             held = set()
             continue
-        held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
         idle_reported = False
-        report(Step(outputs, time.perf_counter() - started, engine.load()))
+        send(outputs)
         if ended:
             raise ended[0]

@@ -1,6 +1,7 @@
 """The engine loop (:func:`engines.stepping.step_until_stopped`) with commands that arrive while
 a step runs: an add reaches the engine during the step, when the engine asks; a cancel and the
-stop wait for the step's end. The engine here is a recorder (what the loop does is the subject)."""
+stop wait for the step's end; what the engine sends during a step is reported at once. The
+engine here is a recorder (what the loop does is the subject)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Recorder:
     def has_unfinished(self) -> bool:
         return bool(self.live)
 
-    def step(self, arrivals=None) -> list[StepOutput]:
+    def step(self, arrivals=None, send=None) -> list[StepOutput]:
         self.in_step = True
         if self.during_first_step:
             self.inbox.extend(self.during_first_step)
@@ -97,3 +98,35 @@ def test_a_command_source_that_ends_during_a_step_ends_the_loop_after_it_not_as_
         step_until_stopped(engine, next_command, reports.append)
     assert engine.log == ["add a", "arrivals False", "arrivals False", "step a"]
     assert [type(r) for r in reports] == [Step]
+
+
+class SendsNewcomersFirst(Recorder):
+    """Serves a request that arrives during a step with one token at once, through ``send``,
+    then fails the step."""
+
+    def step(self, arrivals=None, send=None) -> list[StepOutput]:
+        self.in_step = True
+        self.inbox.append(("add", request("late")))
+        arrivals()
+        send([StepOutput("late", "x", [1], "length")])
+        del self.live["late"]
+        self.log.append("sent late")
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_outputs_sent_during_a_step_are_reported_before_it_ends_and_count_as_delivered():
+    engine = SendsNewcomersFirst(during_first_step=[])
+    engine.inbox.extend([("add", request("a")), ("stop",)])
+    reports: list[Report] = []
+
+    def next_command(wait: bool):
+        return engine.inbox.popleft() if engine.inbox else None
+
+    def report(r: Report) -> None:
+        reports.append(r)
+        engine.log.append(f"report {type(r).__name__}")
+
+    step_until_stopped(engine, next_command, report)
+    assert engine.log[:4] == ["add a", "add late in step", "report Step", "sent late"]
+    assert [o.request_id for o in reports[0].outputs] == ["late"]
+    assert reports[1].request_ids == {"a"}, "late finished in what was sent: the failed step does not fail it"

@@ -29,11 +29,11 @@ class FlakyEngine:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def step(self, arrivals=None):
+    def step(self, arrivals=None, send=None):
         if not self.failed:
             self.failed = True
             raise RuntimeError("CUDA out of memory (simulated)")
-        return self.inner.step(arrivals)
+        return self.inner.step(arrivals, send)
 
 
 async def results(client: aioredis.Redis, request_id: str, timeout: float = 5.0) -> list:

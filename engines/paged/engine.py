@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.base import EngineLoad, EngineRequest, StepOutput
+from engines.base import EngineLoad, EngineRequest, Send, StepOutput
 from engines.paged.block_manager import BlockManager
 from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
@@ -118,14 +118,29 @@ class PagedEngine:
     def has_unfinished(self) -> bool:
         return bool(self._pending or self._live)
 
-    def step(self, arrivals: Callable[[], bool] | None = None) -> list[StepOutput]:
+    def step(self, arrivals: Callable[[], bool] | None = None,
+             send: Send | None = None) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(self.clock()))
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return outputs
         started = time.perf_counter()
-        sampled, logits = self._forward(sched, arrivals)
+        sampled, logits = self._forward(sched, arrivals, send)
+        tokens = self._sample(sched, sampled, logits)
+        self._record_timing(time.perf_counter() - started, sched.num_tokens, len(sched.seqs))
+        outputs.extend(self._emit(live, token) for live, token in tokens)
+        return outputs
+
+    def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None,
+                 send: Send | None) -> tuple[list[int], torch.Tensor]:
+        """The step's pass. A batch step takes newcomers at the next one: its steps are long
+        anyway, and throughput, not the first token, is what it serves."""
+        return self.runner.run(sched)
+
+    def _sample(self, sched: Schedule, sampled: list[int], logits: torch.Tensor) -> list[tuple[_Live, int]]:
+        """Sample the next token of the sequences at ``sampled`` in ``sched`` and advance them
+        all; their outputs are for ``_emit``."""
         lives = [self._live[sched.seqs[i].request_id] for i in sampled]
         tokens = sample(
             logits,
@@ -135,15 +150,7 @@ class PagedEngine:
             self.loaded.eos_token_ids,
         )
         self.scheduler.postprocess(sched, dict(zip(sampled, tokens)))
-        self._record_timing(time.perf_counter() - started, sched.num_tokens, len(sched.seqs))
-        for live, token in zip(lives, tokens):
-            outputs.append(self._emit(live, token))
-        return outputs
-
-    def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None) -> tuple[list[int], torch.Tensor]:
-        """The step's pass. A batch step takes newcomers at the next one: its steps are long
-        anyway, and throughput, not the first token, is what it serves."""
-        return self.runner.run(sched)
+        return list(zip(lives, tokens))
 
     def load(self) -> EngineLoad:
         return EngineLoad(

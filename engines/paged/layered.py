@@ -1,19 +1,19 @@
-"""The decoder stack one layer at a time, so a step can take in a request that arrives while it
-runs.
+"""The decoder stack one layer at a time, so a step can pause between two layers and let a
+request that arrived meanwhile run first.
 
 Why: on CPU a step of the ~100M model reads every weight once, tens of milliseconds whatever
-it holds. A request that arrived just after a step began waited for that step to end and then
-ran a whole step of its own: at 16 streams its time to first token was about twice a lone
-request's, however the steps were scheduled. Run a layer at a time, the step looks for
-arrivals between layers. A newcomer runs alone through the layers the step has passed, its
-hidden states are appended to the step's, and the rest of the layers run them together, so it
-leaves this step with its first token. The streams' step grows by the newcomer's prompt, which
-their next step would have carried anyway, and by its pass alone (those layers' weights read
-once more); when that is worth it is the scheduler's call (:mod:`engines.stream.scheduler`).
+it holds, and 16 streams' step is longer still. A request that arrived just after a step began
+waited for that step to end and then for a whole step of its own, its prompt beside 16 decodes:
+at 16 streams its time to first token was two to three times a lone request's. Run a layer at
+a time, the step can stop between layers while the newcomer's prompt runs alone, through every
+layer, and its first token is out; the step then goes on from where it stopped. Its state (the
+hidden states between layers, the paged metadata) belongs to the step alone, and the newcomer
+writes only its own blocks, so the step computes exactly what it would have. When a newcomer
+may cut in is the scheduler's call (:mod:`engines.stream.scheduler`).
 
 Only models laid out as transformers' Llama run this way: token embedding, rotary embedding,
 decoder layers, final norm and head, with nothing else in between (no embedding scale, no
-logit soft-capping). The others run whole and take newcomers between steps.
+logit soft-capping). The others run whole and take newcomers at the next step.
 """
 
 from __future__ import annotations
@@ -65,9 +65,3 @@ class Decoder:
     def logits(self, state: Hidden, rows: torch.Tensor) -> torch.Tensor:
         """[len(rows), vocab] logits of the given token rows."""
         return self.head(self.norm(state[0][0, rows]))
-
-
-def joined(state: Hidden, more: Hidden) -> Hidden:
-    """Two token batches' states as one: ``more``'s rows after ``state``'s."""
-    (hidden, (cos, sin)), (extra, (extra_cos, extra_sin)) = state, more
-    return torch.cat([hidden, extra], 1), (torch.cat([cos, extra_cos], 1), torch.cat([sin, extra_sin], 1))

@@ -7,8 +7,8 @@ flattened into one batch row, decodes first (shortest context first, so that gro
 similar length pad little), so the model runs once per step whatever mix of decodes and
 prefill chunks the scheduler chose, and only the rows that sample a token reach the
 language-model head. On a GPU the steps that fit run as CUDA graphs instead
-(:mod:`engines.paged.step_graphs`). Given a ``join``, a step runs a layer at a time and takes
-in requests that arrive meanwhile (:mod:`engines.paged.layered`).
+(:mod:`engines.paged.step_graphs`). Given a ``pause``, a step runs a layer at a time and lets
+other passes run between two layers (:mod:`engines.paged.layered`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 
 from engines.paged import attention, native
 from engines.paged.attention import DecodeGroup, PagedMetadata, PrefillSpan
-from engines.paged.layered import Decoder, joined
+from engines.paged.layered import Decoder
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
 from engines.paged.step_graphs import StepGraphs
@@ -37,9 +37,9 @@ prompt length (each chunk of a long prompt) is one. On an H200 that made the fir
 new length 50 ms against 10 ms after it (430-580 ms with a mask); the flash and
 memory-efficient kernels build nothing per shape."""
 
-Join = Callable[[int], Schedule | None]
-"""Called between layers with how many the step has passed: the requests to take in now
-(prompt chunks of two tokens or more), or None."""
+Pause = Callable[[int], None]
+"""Called between two layers with how many the step has passed; what it runs (other passes
+over other sequences' blocks) does not touch the step's state."""
 
 GROUP_SPREAD = 1.5
 """A decode group's longest context is at most this many times its shortest: the padding it
@@ -109,18 +109,18 @@ class ModelRunner:
         """Set when steps can take in requests between layers."""
 
     @torch.inference_mode()
-    def run(self, sched: Schedule, join: Join | None = None) -> tuple[list[int], torch.Tensor]:
+    def run(self, sched: Schedule, pause: Pause | None = None) -> tuple[list[int], torch.Tensor]:
         """Logits [n, vocab] of the next token for the sequences that sample one this step,
-        with their positions in ``sched``. With ``join`` (and a model :class:`Decoder` can
-        run), what it hands back between layers is appended to ``sched`` and runs too."""
+        with their positions in ``sched``. With ``pause`` (and a model :class:`Decoder` can
+        run), the step runs a layer at a time and calls it between layers."""
         key = self.graphs.key(sched) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(sched, key)
         inputs = self.prepare(sched)
         backends = sdpa_kernel(PREFILL_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
         with backends:
-            if join is not None and self.decoder is not None:
-                return self._run_joining(sched, inputs, join)
+            if pause is not None and self.decoder is not None:
+                return self._run_layered(inputs, pause)
             logits = self.model(
                 input_ids=inputs.input_ids.unsqueeze(0),
                 position_ids=inputs.positions.unsqueeze(0),
@@ -130,21 +130,12 @@ class ModelRunner:
             ).logits
         return inputs.sampled, logits[0] if logits.dim() == 3 else logits
 
-    def _run_joining(self, sched: Schedule, inputs: StepInputs, join: Join) -> tuple[list[int], torch.Tensor]:
-        """The step a layer at a time; a newcomer catches up alone on the layers passed, then
-        runs on with the rest. Its rows go after the step's: ``prepare`` puts decodes first and
-        prompt chunks in schedule order, and a newcomer only brings chunks, so the merged
-        schedule lays the step's rows out as they were."""
+    def _run_layered(self, inputs: StepInputs, pause: Pause) -> tuple[list[int], torch.Tensor]:
         decoder = self.decoder
         state = decoder.start(inputs.input_ids, inputs.positions)
         for layer in range(len(decoder.layers)):
-            extra = join(layer) if layer else None
-            if extra is not None:
-                more = self.prepare(extra)
-                caught_up = decoder.run(decoder.start(more.input_ids, more.positions), more.meta, 0, layer)
-                state = joined(state, caught_up)
-                sched.extend(extra)
-                inputs = self.prepare(sched)
+            if layer:
+                pause(layer)
             state = decoder.run(state, inputs.meta, layer, layer + 1)
         return inputs.sampled, decoder.logits(state, inputs.logit_rows)
 

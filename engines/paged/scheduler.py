@@ -29,10 +29,6 @@ class Schedule:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
 
-    def extend(self, other: Schedule) -> None:
-        self.seqs.extend(other.seqs)
-        self.num_new_tokens.extend(other.num_new_tokens)
-
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)

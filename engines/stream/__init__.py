@@ -14,5 +14,5 @@ def create(model: str | None, dtype: str = "auto", device: str = "auto", **optio
     """Load ``model`` (a local directory or hub id) and build the engine; ``options`` are
     :class:`StreamOptions` fields (max_batch, step_budget_ms, max_stall_ratio, min_chunk_tokens,
     short_prompt_tokens, prefill_chunk_tokens, max_step_tokens, block_size, kv_cache_bytes,
-    num_blocks, enable_prefix_caching, pack_weights, cuda_graphs, mid_step_joins, warmup)."""
+    num_blocks, enable_prefix_caching, pack_weights, cuda_graphs, cut_ins_per_step, warmup)."""
     return load_engine("stream", StreamEngine, StreamOptions, model, dtype, device, options)

@@ -4,9 +4,9 @@ It is the paged engine (the same model runner, paged KV cache, block manager, sa
 detokenization, so nothing is padded or copied when a request joins or leaves) driven by
 :class:`LatencyScheduler`: a small batch, earliest deadline first, and steps kept within a time
 budget so a long prompt never freezes the streams already running. A request that arrives while
-a step runs joins it between two layers (:mod:`engines.paged.layered`), so its first token
-comes out of the step in progress rather than the one after. Start-up times a few passes to
-price prompt chunks before the first request arrives.
+a step runs cuts in: the step pauses between two layers (:mod:`engines.paged.layered`) while
+the newcomer's prompt runs alone, and its first token is sent before the step goes on.
+Start-up times a few passes to price prompt chunks before the first request arrives.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.base import EngineLoad
+from engines.base import EngineLoad, Send, StepOutput
 from engines.paged import step_graphs
 from engines.paged.engine import PagedEngine, PagedOptions
 from engines.paged.model_runner import KVShape
@@ -25,7 +25,7 @@ from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
 from engines.runtime.loader import LoadedModel
 from engines.stream.cost import Ewma, StepCost
-from engines.stream.scheduler import LatencyPolicy, LatencyScheduler
+from engines.stream.scheduler import LatencyPolicy, LatencyScheduler, plan_chunks
 from slogate.protocol import SamplingParams
 
 _WARMUP_TOKENS = 256
@@ -53,9 +53,9 @@ class StreamOptions:
     cuda_graphs: bool = True
     """As for the paged engine; with graphs, while streams decode a step takes no more tokens
     than a graph runs."""
-    mid_step_joins: bool = True
-    """Let a request that arrives while a step runs join it between two layers, where the
-    model allows (:mod:`engines.paged.layered`), instead of waiting for the next step."""
+    cut_ins_per_step: int = 2
+    """Passes of newcomers' prompts that may pause one step between two layers, where the
+    model allows (:mod:`engines.paged.layered`); 0: newcomers wait for the next step."""
     warmup: bool = True
 
 
@@ -78,7 +78,7 @@ class StreamEngine(PagedEngine):
             cuda_graphs=opts.cuda_graphs,
         ))
         self.policy = LatencyPolicy(opts.step_budget_ms / 1000.0, opts.max_stall_ratio, opts.min_chunk_tokens,
-                                    opts.short_prompt_tokens, opts.prefill_chunk_tokens,
+                                    opts.short_prompt_tokens, opts.prefill_chunk_tokens, opts.cut_ins_per_step,
                                     step_graphs.MAX_ROWS if self.runner.graphs is not None else None)
         # Same blocks and queues as the paged engine's scheduler; only the choice of each step differs.
         self.scheduler = LatencyScheduler(
@@ -86,8 +86,9 @@ class StreamEngine(PagedEngine):
             StepCost(0.0, 1e-4, 1e-5, 0.0), self.policy,
         )
         self.block_bytes = block_bytes
-        self.mid_step_joins = opts.mid_step_joins
         self.prefill_step_s = Ewma()
+        self._paused_s = 0.0
+        """Seconds the step in progress spent paused for newcomers' passes."""
         if opts.warmup:
             self._warmup()
 
@@ -114,25 +115,43 @@ class StreamEngine(PagedEngine):
         """Bytes of the KV pool that requests hold (blocks in use)."""
         return (self.block_manager.num_blocks - self.block_manager.num_free_blocks) * self.block_bytes
 
-    def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None) -> tuple[list[int], torch.Tensor]:
+    def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None,
+                 send: Send | None) -> tuple[list[int], torch.Tensor]:
         """The step's pass; between its layers ``arrivals`` takes in what the worker sent
-        meanwhile (True when it added a request), and the newcomers the step has room for join."""
-        decoder = self.runner.decoder
-        if arrivals is None or not self.mid_step_joins or decoder is None:
+        meanwhile (True when it added a request), and the newcomers that may cut in run
+        alone, their first tokens sent before the step goes on."""
+        self._paused_s = 0.0
+        if arrivals is None or send is None or self.policy.cut_ins_per_step <= 0 or self.runner.decoder is None:
             return self.runner.run(sched)
 
-        def join(passed: int) -> Schedule | None:
+        def pause(_layer: int) -> None:
             if not arrivals():
-                return None
-            extra = self.scheduler.join(sched, passed / len(decoder.layers))
-            return extra if extra.seqs else None
+                return
+            newcomers = self.scheduler.cut_in()
+            if newcomers.seqs:
+                send(self._cut_in(newcomers))
 
-        return self.runner.run(sched, join)
+        return self.runner.run(sched, pause)
+
+    def _cut_in(self, newcomers: Schedule) -> list[StepOutput]:
+        """Run ``newcomers``' prompts alone and return their first tokens' outputs; a pass of
+        prompts only, timed as such for the cost model."""
+        chunks = plan_chunks(newcomers)
+        started = time.perf_counter()
+        tokens = self._sample(newcomers, *self.runner.run(newcomers))
+        seconds = time.perf_counter() - started
+        self._paused_s += seconds
+        self.cost.observe(0, chunks, seconds)
+        self._record_averages(seconds, newcomers.num_tokens, len(newcomers.seqs))
+        return [self._emit(live, token) for live, token in tokens]
 
     def _record_timing(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
+        seconds -= self._paused_s  # the step's own work: the passes it waited for are timed apart
+        self._record_averages(seconds, num_tokens, num_seqs)
+        self.cost.observe(*self.scheduler.last_plan, seconds)
+
+    def _record_averages(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
         super()._record_timing(seconds, num_tokens, num_seqs)
-        if self.scheduler.last_plan is not None:
-            self.cost.observe(*self.scheduler.last_plan, seconds)
         if num_tokens > num_seqs:
             self.prefill_step_s.add(seconds)
 

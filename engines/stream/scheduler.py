@@ -9,15 +9,16 @@ prompt work may add at most ``max_stall_ratio`` times a decode-only step, and ne
 between a stream's tokens stays bounded. With no stream decoding there is no gap to protect,
 so the step takes every waiting prompt it can.
 
-A request that arrives while a step runs may join it between two layers
-(:mod:`engines.paged.layered`) with its whole prompt. A join makes the step longer by the
-newcomer's prompt, which the streams decoding would have paid in their next step anyway, and
-by its pass alone through the layers behind; both delay the first token of every prompt in
-the step, while the newcomer saves the whole next step. So a newcomer joins when what it saves
-is more than what the prompts in the step lose together, and while joins add at most
-``max_stall_ratio`` times what the step was planned to take, so that it cannot keep growing
-for as long as requests keep arriving. A burst of prompts is then served step by
-step as before, and among decoding streams a newcomer gets its first token a step sooner.
+A request that arrives while a step runs may cut in: the step pauses between two layers
+(:mod:`engines.paged.layered`) while the newcomer's whole prompt runs alone, so its first token
+comes out one pass after it arrived instead of after the rest of this step and all of the next.
+The streams decoding pay for that pass, the model's weights read once more besides the prompt
+they would have carried in their next step anyway. A latency-first engine makes that trade:
+on the ~100M model on 2 CPU cores, at 16 streams, a step of decodes takes about 130 ms and a
+prompt pass 140 ms, so a newcomer's wait goes from about a step and a half plus its prompt to
+its prompt alone. Only short prompts cut in (up to ``short_prompt_tokens`` a pass; a long
+prompt is chunked into steps as ever), and at most ``cut_ins_per_step`` passes pause one step,
+so a stream's gap stays bounded however fast requests arrive.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class LatencyPolicy:
     61 ms), the newcomers queued and the TTFT at 16 streams went from 168 ms to 1.8 s (P50)."""
     fixed_chunk_tokens: int | None = None
     """Prompt tokens per step instead of a time budget (for tests and experiments)."""
+    cut_ins_per_step: int = 2
+    """Most passes of newcomers' prompts that may pause one step; 0 makes newcomers wait for
+    the next step."""
     max_tokens_with_decodes: int | None = None
     """Most tokens a step runs while streams decode: on a GPU, the most a CUDA graph runs, so
     a prompt chunk never drops the streams' step onto the eager path (~6x slower there)."""
@@ -58,15 +62,11 @@ class LatencyScheduler(Scheduler):
         super().__init__(block_manager, max_num_seqs, max_step_tokens, max_model_len)
         self.cost = cost
         self.policy = policy
-        self.last_plan: tuple[int, list[tuple[int, int]]] | None = (0, [])
+        self.last_plan: tuple[int, list[tuple[int, int]]] = (0, [])
         """Decode rows and prompt chunks ``(start, tokens)`` of the last schedule, which the
-        engine's measured step time is set against; None once requests joined it."""
-        self._join_s = 0.0
-        """What joins may still add to the step in progress."""
-        self._tokens_left = 0
-        self._decodes = 0
-        self._prompts = 0
-        """Prompt chunks in the step in progress, joiners included: whom a join delays."""
+        engine's measured step time is set against."""
+        self._cut_ins_left = 0
+        """Passes that may still pause the step in progress."""
 
     def schedule(self) -> Schedule:
         sched = Schedule()
@@ -77,38 +77,27 @@ class LatencyScheduler(Scheduler):
             self.block_manager.may_append(seq)
             sched.add(seq, 1)
         decodes = len(sched.seqs)
-        self._tokens_left = self._fill_with_prompts(sched, decodes)
-        chunks = [(s.num_computed_tokens, n) for s, n in zip(sched.seqs[decodes:], sched.num_new_tokens[decodes:])]
-        self.last_plan = (decodes, chunks)
-        self._join_s = self.policy.max_stall_ratio * self.cost.predict(decodes, chunks)
-        self._decodes, self._prompts = decodes, len(chunks)
+        self._fill_with_prompts(sched, decodes)
+        self.last_plan = (decodes, plan_chunks(sched, decodes))
+        self._cut_ins_left = 0 if sched.preempted else self.policy.cut_ins_per_step
         return sched
 
-    def join(self, sched: Schedule, passed: float) -> Schedule:
-        """Waiting requests that join ``sched`` now, with ``passed`` of its layers behind it:
-        whole prompts of two tokens or more (so the model runner lays their rows out after
-        the step's own), most urgent first, where joining is worth it (see above)."""
+    def cut_in(self) -> Schedule:
+        """Waiting requests to run alone now, while the step in progress is paused: whole
+        prompts, most urgent first, up to ``short_prompt_tokens`` in all. Empty once the
+        step's passes are spent, or when it had to preempt a stream for memory."""
         extra = Schedule()
-        if sched.preempted:
+        if self._cut_ins_left <= 0:
             return extra
-        catch_up = passed * self.cost.decode_step_s(0)  # the newcomers' pass alone, paid once
+        tokens_left = min(self.policy.short_prompt_tokens, self.max_batched_tokens)
         for seq in sorted(self.waiting, key=lambda s: s.priority):
-            remaining = len(seq) - seq.num_computed_tokens
-            alone = 0.0 if extra.seqs else catch_up
-            work = self.cost.prefill_s([(seq.num_computed_tokens, remaining)]) + alone
-            saved = self.cost.decode_step_s(self._decodes + self._prompts) - alone
-            if (remaining < 2 or remaining > self._tokens_left or work > self._join_s
-                    or saved <= self._prompts * work or not self._start(seq)):
+            if len(seq) - seq.num_computed_tokens > tokens_left or not self._start(seq):
                 continue
-            n = len(seq) - seq.num_computed_tokens
-            if n < 2:  # the prefix cache left one token: it runs as a decode next step
-                continue
+            n = len(seq) - seq.num_computed_tokens  # less once the prefix cache served a part
             extra.add(seq, n)
-            self._join_s -= work
-            self._tokens_left -= n
-            self._prompts += 1
+            tokens_left -= n
         if extra.seqs:
-            self.last_plan = None  # a joined step is not a shape the cost model can learn from
+            self._cut_ins_left -= 1
         return extra
 
     def allowance_s(self, decodes: int) -> float:
@@ -117,8 +106,8 @@ class LatencyScheduler(Scheduler):
             return float("inf")
         return min(self.policy.step_budget_s, self.policy.max_stall_ratio * self.cost.decode_step_s(decodes))
 
-    def _fill_with_prompts(self, sched: Schedule, decodes: int) -> int:
-        """Add prompt chunks to ``sched``; returns how many more tokens the step may take."""
+    def _fill_with_prompts(self, sched: Schedule, decodes: int) -> None:
+        """Add prompt chunks to ``sched``, most urgent first, within the step's allowance."""
         p = self.policy
         time_left = self.allowance_s(decodes)
         tokens_left = (p.fixed_chunk_tokens if p.fixed_chunk_tokens is not None
@@ -153,7 +142,6 @@ class LatencyScheduler(Scheduler):
             sched.add(seq, n)
             tokens_left -= n
             time_left -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
-        return tokens_left
 
     def _start(self, seq: Sequence) -> bool:
         """Move a waiting request into the batch if a slot and its blocks are free."""
@@ -165,3 +153,9 @@ class LatencyScheduler(Scheduler):
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
+
+
+def plan_chunks(sched: Schedule, first: int = 0) -> list[tuple[int, int]]:
+    """The prompt chunks ``(start, tokens)`` of ``sched`` from row ``first`` on, as the cost
+    model prices them."""
+    return [(s.num_computed_tokens, n) for s, n in zip(sched.seqs[first:], sched.num_new_tokens[first:])]

@@ -1,7 +1,7 @@
-"""A step run a layer at a time that takes newcomers in between layers
-(:mod:`engines.paged.layered`): the logits and the KV cache must be those of the same requests
-run in one step from its start (to float rounding: the newcomers' matmuls run on fewer rows),
-whichever layer they joined at."""
+"""A step run a layer at a time that pauses between layers while newcomers' prompts run
+(:mod:`engines.paged.layered`): the step, the newcomers and the KV cache must come out as they
+would have with the step and the newcomers' passes run one after the other, whichever layers
+it paused at."""
 
 from __future__ import annotations
 
@@ -37,52 +37,60 @@ def _seq(rid: str, n: int) -> Sequence:
     return Sequence(rid, [(13 * i + 3 * len(rid)) % 200 + 5 for i in range(n)], SamplingParams(max_tokens=4))
 
 
-def _step(model: torch.nn.Module, kernel: str, joins: dict[int, list[tuple[int, int]]] | None,
-          upfront: list[tuple[int, int]] = ()):
-    """Two decodes and a prompt chunk, with the newcomers (index, tokens) that join at each
-    layer in ``joins`` (None: no join at all) or are in the step from its start; returns the
-    logits by request, the KV cache and the layers join was asked at."""
+def _step(model: torch.nn.Module, kernel: str, cut_ins: dict[int, list[tuple[int, int]]] | None,
+          paused: bool = True):
+    """Two decodes and a prompt chunk, with the newcomers (index, tokens) whose passes run at
+    each layer in ``cut_ins``: during the step (``paused``; None: run whole, without pausing)
+    or after it. Returns the logits by request, the KV cache and the layers the step paused at."""
     runner = ModelRunner(model, BLOCKS, BLOCK, kernel=kernel)
     blocks = BlockManager(BLOCKS, BLOCK)
     a, b, c = _seq("a", 13), _seq("bb", 30), _seq("ccc", 40)
     newcomers = [_seq("new0", 9), _seq("new1", 17), _seq("new2", 6)]
     runner.run(schedule_parts(blocks, [(a, 0, 12), (b, 0, 29), (c, 0, 16)]))
-    sched = schedule_parts(blocks, [(a, 12, 1), (c, 16, 11), (b, 29, 1)] + [(newcomers[i], 0, n) for i, n in upfront])
+    sched = schedule_parts(blocks, [(a, 12, 1), (c, 16, 11), (b, 29, 1)])
+    logits: dict[str, torch.Tensor] = {}
     asked: list[int] = []
 
-    def join(layer: int) -> Schedule | None:
-        asked.append(layer)
-        parts = [(newcomers[i], 0, n) for i, n in joins.get(layer, [])]
-        return schedule_parts(blocks, parts) if parts else None
+    def run(batch: Schedule) -> None:
+        sampled, rows = runner.run(batch)
+        logits.update({batch.seqs[i].request_id: row for i, row in zip(sampled, rows)})
 
-    sampled, logits = runner.run(sched, join if joins is not None else None)
-    by_request = {sched.seqs[i].request_id: row for i, row in zip(sampled, logits)}
-    return by_request, runner.kv_cache, asked
+    def cut_in(layer: int) -> None:
+        asked.append(layer)
+        if parts := [(newcomers[i], 0, n) for i, n in (cut_ins or {}).get(layer, [])]:
+            run(schedule_parts(blocks, parts))
+
+    sampled, rows = runner.run(sched, cut_in if paused and cut_ins is not None else None)
+    logits.update({sched.seqs[i].request_id: row for i, row in zip(sampled, rows)})
+    if not paused:
+        for layer in sorted(cut_ins):
+            cut_in(layer)
+    return logits, runner.kv_cache, asked
 
 
 @pytest.mark.parametrize("kernel", ["torch", "auto"])
-@pytest.mark.parametrize("joins", [
+@pytest.mark.parametrize("cut_ins", [
     {1: [(0, 9)]},
     {3: [(0, 9), (1, 17)]},
     {1: [(0, 9)], 2: [(2, 6)], 3: [(1, 12)]},
 ], ids=["one-after-the-first-layer", "two-before-the-last", "one-at-each-layer"])
-def test_a_newcomer_joining_between_layers_gets_the_logits_and_cache_of_a_whole_step(model, kernel, joins):
-    joined, joined_cache, asked = _step(model, kernel, joins)
-    everyone = [item for layer in sorted(joins) for item in joins[layer]]
-    whole, whole_cache, _ = _step(model, kernel, None, upfront=everyone)
+def test_a_step_paused_for_newcomers_computes_what_it_and_their_passes_would_one_after_the_other(
+        model, kernel, cut_ins):
+    paused, paused_cache, asked = _step(model, kernel, cut_ins)
+    after, after_cache, _ = _step(model, kernel, cut_ins, paused=False)
 
-    assert asked == list(range(1, LAYERS)), "join is asked between every two layers"
-    assert sorted(joined) == sorted(whole)
-    assert "bb" in joined and "a" in joined and "ccc" not in joined, "c's chunk stops short of its end"
-    assert ("new1" in joined) == any(n == 17 for _, n in everyone), "a partial chunk samples nothing"
-    for rid, row in whole.items():
-        torch.testing.assert_close(joined[rid], row, atol=1e-4, rtol=1e-4, msg=rid)
-        assert joined[rid].argmax() == row.argmax(), rid
-    torch.testing.assert_close(joined_cache, whole_cache, atol=1e-4, rtol=1e-4)
-    assert joined_cache.abs().sum() > 0
+    assert asked == list(range(1, LAYERS)), "the step pauses between every two layers"
+    everyone = [n for layer in cut_ins for n in cut_ins[layer]]
+    assert sorted(paused) == sorted(after) == sorted(
+        ["a", "bb"] + [f"new{i}" for i, n in everyone if (i, n) != (1, 12)]
+    ), "a partial chunk samples nothing"
+    for rid, row in after.items():
+        torch.testing.assert_close(paused[rid], row, atol=1e-5, rtol=1e-5, msg=rid)
+    torch.testing.assert_close(paused_cache, after_cache, atol=1e-5, rtol=1e-5)
+    assert paused_cache.abs().sum() > 0
 
 
-def test_a_step_no_one_joins_is_the_whole_model_forward(model):
+def test_a_step_that_never_pauses_for_anyone_is_the_whole_model_forward(model):
     plain, plain_cache, _ = _step(model, "torch", None)
     layered, layered_cache, asked = _step(model, "torch", {})
     assert asked == [1, 2, 3] and set(layered) == set(plain) == {"a", "bb"}

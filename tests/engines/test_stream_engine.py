@@ -347,13 +347,15 @@ def test_a_burst_of_short_prompts_is_not_let_in_one_per_step(make) -> None:
     assert max(newcomers) <= 3, f"first tokens at steps {sorted(newcomers)}"
 
 
-@pytest.mark.parametrize("joins", [True, False])
-def test_a_request_that_arrives_during_a_step_leaves_it_with_its_first_token(make, loaded: LoadedModel, joins):
-    engine = make(mid_step_joins=joins, max_stall_ratio=100.0)  # the step may grow enough to take it
+@pytest.mark.parametrize("cut_ins", [2, 0])
+def test_a_request_that_arrives_during_a_step_cuts_in_and_its_first_token_is_sent_before_the_step_ends(
+        make, loaded: LoadedModel, cut_ins):
+    engine = make(cut_ins_per_step=cut_ins)
     for i in range(2):
         engine.add_request(request(f"s{i}", PROMPTS[i], max_tokens=8, ignore_eos=True))
     steps = [engine.step()]
     polls = []
+    sent: list[list[StepOutput]] = []
 
     def arrivals() -> bool:
         polls.append(len(polls))
@@ -362,13 +364,21 @@ def test_a_request_that_arrives_during_a_step_leaves_it_with_its_first_token(mak
         engine.add_request(request("late", PROMPTS[2], max_tokens=6, ignore_eos=True))
         return True
 
-    steps.append(engine.step(arrivals))
-    assert polls == ([0] if joins else []), "the tiny model has two layers: one poll between them"
-    if not joins:
-        assert {o.request_id for o in steps[-1]} == {"s0", "s1"}
+    def send(outputs: list[StepOutput]) -> None:
+        assert engine.kv_tokens("s0") == len(loaded.encode(PROMPTS[0], None)), "sent while the step is paused"
+        sent.append(outputs)
+
+    steps.append(engine.step(arrivals, send))
+    assert {o.request_id for o in steps[-1]} == {"s0", "s1"}
+    if cut_ins:
+        assert polls == [0], "the tiny model has two layers: one pause between them"
+        assert [[(o.request_id, len(o.token_ids)) for o in outs] for outs in sent] == [[("late", 1)]]
+        steps.insert(1, sent[0])
+    else:
+        assert polls == [] and sent == []
         arrivals()  # as the engine loop does once the step is over
-        steps.append(engine.step(arrivals))
-    assert {o.request_id for o in steps[-1]} == {"s0", "s1", "late"}
+        steps.append(engine.step(arrivals, send))
+        assert {o.request_id for o in steps[-1]} == {"s0", "s1", "late"}
     steps += drain(engine)
     outputs = by_request(steps)
     assert tokens_of(outputs["late"]) == reference(loaded, loaded.encode(PROMPTS[2], None), 6, min_new_tokens=6)

@@ -129,70 +129,72 @@ def test_with_streams_decoding_a_step_takes_no_more_tokens_than_a_graph_runs():
     assert plan(step(idle)) == {"long": 500}, "with nothing decoding the cap does not apply"
 
 
-def join_step(sch: LatencyScheduler, arrivals: list[tuple[float, list[Sequence]]]) -> tuple[Schedule, list[str]]:
-    """A step during which requests arrive: at each ``(passed, newcomers)``, ``passed`` of the
-    way through its layers. Returns the step and who joined it."""
+def cut_in_step(sch: LatencyScheduler, arrivals: list[list[Sequence]]) -> tuple[Schedule, list[list[str]]]:
+    """A step during which requests arrive, one batch of newcomers at each pause; each pass
+    that cuts in runs (its first tokens sampled) before the step goes on. Returns the step and
+    who cut in at each pause."""
     batch = sch.schedule()
-    joined = []
-    for passed, newcomers in arrivals:
+    passes = []
+    for newcomers in arrivals:
         for s in newcomers:
             sch.add(s)
-        extra = sch.join(batch, passed)
-        joined += [s.request_id for s in extra.seqs]
-        batch.extend(extra)
+        extra = sch.cut_in()
+        passes.append([s.request_id for s in extra.seqs])
+        step_pass(sch, extra)
+    step_pass(sch, batch)
+    return batch, passes
+
+
+def step_pass(sch: LatencyScheduler, batch: Schedule) -> None:
     sch.postprocess(batch, {i: 1 for i in range(len(batch.seqs)) if batch.samples(i)})
-    return batch, joined
 
 
-def test_newcomers_join_a_running_step_whole_and_most_urgent_first():
+def test_newcomers_cut_in_with_whole_prompts_most_urgent_first():
     sch = scheduler()
     for i in range(2):
         sch.add(seq(f"s{i}", 10))
     step(sch)
     newcomers = [seq("a", 30, deadline=1.0), seq("one", 1, deadline=0.5), seq("b", 30, deadline=2.0),
                  seq("c", 90, deadline=3.0)]
-    # planned: 1.2 ms (1 ms + 2 decodes), which the prompts that join may add at most: a and b
-    # bring 0.3 ms each, c 0.9 ms
-    batch, joined = join_step(sch, [(0.5, newcomers)])
-    assert joined == ["a", "b"], "most urgent first; a one-token prompt cannot join"
-    assert plan(batch) == {"s0": 1, "s1": 1, "a": 30, "b": 30}
-    assert sch.last_plan is None, "a joined step teaches the cost model nothing"
-    assert [s.request_id for s in sch.waiting] == ["one", "c"]
-    assert newcomers[0].status is Status.RUNNING and len(newcomers[0]) == 31, "a sampled its first token"
-    assert plan(step(sch)) == {"s0": 1, "s1": 1, "a": 1, "b": 1, "one": 1, "c": 90}
+    batch, passes = cut_in_step(sch, [newcomers])
+    assert passes == [["one", "a", "b", "c"]]
+    assert plan(batch) == {"s0": 1, "s1": 1}, "the paused step runs what it planned"
+    assert sch.last_plan == (2, []), "and teaches the cost model as planned"
+    assert all(len(s) == s.num_prompt_tokens + 1 and not s.is_prefilling for s in newcomers), "first tokens out"
+    assert plan(step(sch)) == {"s0": 1, "s1": 1, "one": 1, "a": 1, "b": 1, "c": 1}
 
 
-def test_joins_add_at_most_max_stall_ratio_times_what_the_step_was_planned_to_take():
-    sch = scheduler(max_num_seqs=16)
-    for i in range(8):
+def test_at_most_cut_ins_per_step_passes_pause_a_step():
+    sch = scheduler(max_num_seqs=16, cut_ins_per_step=2)
+    for i in range(4):
         sch.add(seq(f"s{i}", 10))
     step(sch)
-    planned = sch.cost.predict(8)
-    _, joined = join_step(sch, [(k / 10, [seq(f"n{k}", 50)]) for k in range(1, 8)])
-    assert joined == ["n1", "n2"], "each brings 0.5 ms of prompt and its own pass alone: two fit in 1.8 ms"
-    added = sum(sch.cost.prefill_s([(0, 50)]) + k / 10 * sch.cost.fixed_s for k in (1, 2))
-    assert added <= planned < added + sch.cost.prefill_s([(0, 50)]) + 0.3 * sch.cost.fixed_s
-    assert [s.request_id for s in sch.waiting] == [f"n{k}" for k in range(3, 8)]
+    _, passes = cut_in_step(sch, [[seq(f"n{k}", 20)] for k in range(4)])
+    assert passes == [["n0"], ["n1"], [], []], "the third and fourth wait for the next step"
+    assert plan(step(sch)) == {**{f"s{i}": 1 for i in range(4)}, "n0": 1, "n1": 1, "n2": 20, "n3": 20}
+    _, passes = cut_in_step(sch, [[seq("n4", 20)]])
+    assert passes == [["n4"]], "each step may be paused again"
+    off = scheduler(cut_ins_per_step=0)
+    off.add(seq("s", 10))
+    step(off)
+    _, passes = cut_in_step(off, [[seq("n", 20)]])
+    assert passes == [[]]
 
 
-def test_a_newcomer_joins_a_step_of_prompts_only_if_it_saves_more_than_they_lose():
-    sch = scheduler()
-    for i in range(3):
-        sch.add(seq(f"p{i}", 40))
-    # the step's three prompts would each wait 0.6 ms more for a 50-token newcomer, which
-    # saves itself 1.2 ms (the next step); a 10-token one costs them 0.2 ms each
-    _, joined = join_step(sch, [(0.1, [seq("n50", 50, deadline=1.0), seq("n10", 10, deadline=2.0)])])
-    assert joined == ["n10"]
-    assert [s.request_id for s in sch.waiting] == ["n50"]
-
-
-def test_a_long_prompt_never_joins_in_part_and_a_full_batch_takes_no_one():
-    sch = scheduler(max_num_seqs=2)
+def test_a_long_prompt_never_cuts_in_and_a_full_batch_takes_no_one():
+    sch = scheduler(max_num_seqs=2, short_prompt_tokens=512)
     sch.add(seq("s0", 10))
     step(sch)
-    batch, joined = join_step(sch, [(0.0, [seq("long", 1000)])])
-    assert joined == [] and plan(batch) == {"s0": 1}
-    assert sch.last_plan == (1, []), "a step no one joined still teaches the cost model"
-    assert plan(step(sch))["long"] < 1000, "the next step takes it in chunks, as it would have"
-    _, joined = join_step(sch, [(0.0, [seq("short", 8)])])
-    assert joined == [], "the batch is full"
+    batch, passes = cut_in_step(sch, [[seq("long", 1000), seq("short", 8)]])
+    assert passes == [["short"]], "a long prompt is chunked into steps instead"
+    assert plan(step(sch)) == {"s0": 1, "short": 1}, "the batch is full: the long prompt waits"
+    _, passes = cut_in_step(sch, [[seq("other", 8)]])
+    assert passes == [[]], "the batch is full"
+
+
+def test_a_pass_takes_short_prompts_up_to_short_prompt_tokens_in_all():
+    sch = scheduler(max_num_seqs=8, short_prompt_tokens=100)
+    sch.add(seq("s0", 10))
+    step(sch)
+    _, passes = cut_in_step(sch, [[seq("a", 60, deadline=1.0), seq("b", 60, deadline=2.0), seq("c", 40, deadline=3.0)]])
+    assert passes == [["a", "c"]]
