@@ -16,9 +16,13 @@ The streams decoding pay for that pass, the model's weights read once more besid
 they would have carried in their next step anyway. A latency-first engine makes that trade:
 on the ~100M model on 2 CPU cores, at 16 streams, a step of decodes takes about 130 ms and a
 prompt pass 140 ms, so a newcomer's wait goes from about a step and a half plus its prompt to
-its prompt alone. Only short prompts cut in (up to ``short_prompt_tokens`` a pass; a long
-prompt is chunked into steps as ever), and at most ``cut_ins_per_step`` passes pause one step,
-so a stream's gap stays bounded however fast requests arrive.
+its prompt alone. A newcomer never cuts in ahead of a prompt in the step that is more urgent
+(with equal objectives: that came first), since it would delay that prompt's first token by
+its own pass; in a ramp, where every step carries the prompts of the requests before, letting
+everyone cut in served them last come first, and the ramp's TTFT P99 went from 400 to 970 ms.
+Only short prompts cut in (up to ``short_prompt_tokens`` a pass; a long prompt is chunked into
+steps as ever), and at most ``cut_ins_per_step`` passes pause one step, so a stream's gap
+stays bounded however fast requests arrive.
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ class LatencyScheduler(Scheduler):
         engine's measured step time is set against."""
         self._cut_ins_left = 0
         """Passes that may still pause the step in progress."""
+        self._first_due: tuple[float, int] | None = None
+        """The most urgent prompt that gets its first token from the step in progress."""
 
     def schedule(self) -> Schedule:
         sched = Schedule()
@@ -80,17 +86,22 @@ class LatencyScheduler(Scheduler):
         self._fill_with_prompts(sched, decodes)
         self.last_plan = (decodes, plan_chunks(sched, decodes))
         self._cut_ins_left = 0 if sched.preempted else self.policy.cut_ins_per_step
+        due = [s.priority for i, s in enumerate(sched.seqs) if i >= decodes and sched.samples(i)]
+        self._first_due = min(due, default=None)
         return sched
 
     def cut_in(self) -> Schedule:
         """Waiting requests to run alone now, while the step in progress is paused: whole
-        prompts, most urgent first, up to ``short_prompt_tokens`` in all. Empty once the
-        step's passes are spent, or when it had to preempt a stream for memory."""
+        prompts, most urgent first, up to ``short_prompt_tokens`` in all, more urgent than
+        every prompt the step gives a first token. Empty once the step's passes are spent, or
+        when it had to preempt a stream for memory."""
         extra = Schedule()
         if self._cut_ins_left <= 0:
             return extra
         tokens_left = min(self.policy.short_prompt_tokens, self.max_batched_tokens)
         for seq in sorted(self.waiting, key=lambda s: s.priority):
+            if self._first_due is not None and seq.priority >= self._first_due:
+                break
             if len(seq) - seq.num_computed_tokens > tokens_left or not self._start(seq):
                 continue
             n = len(seq) - seq.num_computed_tokens  # less once the prefix cache served a part

@@ -198,3 +198,17 @@ def test_a_pass_takes_short_prompts_up_to_short_prompt_tokens_in_all():
     step(sch)
     _, passes = cut_in_step(sch, [[seq("a", 60, deadline=1.0), seq("b", 60, deadline=2.0), seq("c", 40, deadline=3.0)]])
     assert passes == [["a", "c"]]
+
+
+def test_a_newcomer_does_not_cut_in_ahead_of_a_more_urgent_prompt_in_the_step():
+    sch = scheduler()
+    sch.add(seq("s0", 10))
+    step(sch)
+    sch.add(seq("first", 20, deadline=5.0))  # distinct prompts: no prefix cache hits
+    _, passes = cut_in_step(sch, [[seq("later", 20, deadline=6.0)], [seq("urgent", 20, deadline=4.0)]])
+    assert passes == [[], ["urgent"]], "'first' gets its first token from the step: 'later' would delay it"
+    batch, passes = cut_in_step(sch, [[seq("next", 20, deadline=7.0)]])
+    assert plan(batch)["later"] == 20 and passes == [[]], "'later' is in this step, ahead of 'next'"
+    assert plan(step(sch))["next"] == 20
+    batch, passes = cut_in_step(sch, [[seq("free", 20, deadline=9.0)]])
+    assert set(plan(batch).values()) == {1} and passes == [["free"]], "a step of decodes delays no first token"
