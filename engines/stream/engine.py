@@ -55,7 +55,9 @@ class StreamOptions:
     than a graph runs."""
     cut_ins_per_step: int = 2
     """Passes of newcomers' prompts that may pause one step between two layers, where the
-    model allows (:mod:`engines.paged.layered`); 0: newcomers wait for the next step."""
+    model allows (:mod:`engines.paged.layered`); 0: new prompts wait for the next step and
+    run in it beside the streams, none first (:mod:`engines.stream.scheduler`). With CUDA
+    graphs it is 0: a step takes a few milliseconds there and runs whole."""
     warmup: bool = True
 
 
@@ -78,7 +80,8 @@ class StreamEngine(PagedEngine):
             cuda_graphs=opts.cuda_graphs,
         ))
         self.policy = LatencyPolicy(opts.step_budget_ms / 1000.0, opts.max_stall_ratio, opts.min_chunk_tokens,
-                                    opts.short_prompt_tokens, opts.prefill_chunk_tokens, opts.cut_ins_per_step,
+                                    opts.short_prompt_tokens, opts.prefill_chunk_tokens,
+                                    opts.cut_ins_per_step if self.runner.graphs is None else 0,
                                     step_graphs.MAX_ROWS if self.runner.graphs is not None else None)
         # Same blocks and queues as the paged engine's scheduler; only the choice of each step differs.
         self.scheduler = LatencyScheduler(

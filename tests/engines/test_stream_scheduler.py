@@ -84,7 +84,7 @@ def test_the_most_urgent_prompt_advances_even_when_decoding_fills_the_step():
 
 
 def test_short_prompts_enter_whole_up_to_their_floor_and_long_ones_wait_their_turn():
-    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=100)
+    sch = scheduler(step_budget_s=0.0, short_prompt_tokens=100, cut_ins_per_step=0)  # prompts beside decodes
     sch.add(seq("running", 10))
     step(sch)
     for i in range(3):
@@ -171,14 +171,31 @@ def test_at_most_cut_ins_per_step_passes_pause_a_step():
     step(sch)
     _, passes = cut_in_step(sch, [[seq(f"n{k}", 20)] for k in range(4)])
     assert passes == [["n0"], ["n1"], [], []], "the third and fourth wait for the next step"
-    assert plan(step(sch)) == {**{f"s{i}": 1 for i in range(4)}, "n0": 1, "n1": 1, "n2": 20, "n3": 20}
+    assert plan(step(sch)) == {"n2": 20, "n3": 20}, "they run first in a pass of their own"
     _, passes = cut_in_step(sch, [[seq("n4", 20)]])
-    assert passes == [["n4"]], "each step may be paused again"
+    assert passes == [["n4"]], "the streams' step may be paused again"
     off = scheduler(cut_ins_per_step=0)
     off.add(seq("s", 10))
     step(off)
     _, passes = cut_in_step(off, [[seq("n", 20)]])
     assert passes == [[]]
+
+
+def test_while_streams_decode_waiting_prompts_run_first_in_a_pass_of_their_own_then_the_streams_step():
+    sch = scheduler(short_prompt_tokens=100)
+    for i in range(2):
+        sch.add(seq(f"s{i}", 10))
+    step(sch)
+    assert plan(step(sch)) == {"s0": 1, "s1": 1}
+    for rid, n in [("a", 30), ("b", 60), ("c", 30), ("long", 400)]:
+        sch.add(seq(rid, n, deadline=50.0 + len(sch.waiting)))
+    assert plan(step(sch)) == {"a": 30, "b": 60}, "up to short_prompt_tokens, most urgent first"
+    assert sch.last_plan == (0, [(0, 30), (0, 60)])
+    assert sch.cut_in() == Schedule(), "a pass of prompts is not paused: all in it come first"
+    got = plan(step(sch))
+    assert got["s0"] == got["s1"] == got["a"] == got["b"] == 1 and got["c"] == 30 and got["long"] < 400, (
+        "never two prompt passes in a row: then the streams step, with what waits beside them as before"
+    )
 
 
 def test_a_long_prompt_never_cuts_in_and_a_full_batch_takes_no_one():
