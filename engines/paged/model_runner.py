@@ -106,7 +106,7 @@ class ModelRunner:
                 log.warning("CUDA graphs are off, the steps run eagerly: capturing one failed (%s)", exc)
                 self.graphs = None
         self.decoder = Decoder.of(model)
-        """Set when steps can take in requests between layers."""
+        """Set when a step can pause between layers for other passes."""
 
     @torch.inference_mode()
     def run(self, sched: Schedule, pause: Pause | None = None) -> tuple[list[int], torch.Tensor]:

@@ -3,10 +3,12 @@
 It is the paged engine (the same model runner, paged KV cache, block manager, sampling and
 detokenization, so nothing is padded or copied when a request joins or leaves) driven by
 :class:`LatencyScheduler`: a small batch, earliest deadline first, and steps kept within a time
-budget so a long prompt never freezes the streams already running. A request that arrives while
-a step runs cuts in: the step pauses between two layers (:mod:`engines.paged.layered`) while
-the newcomer's prompt runs alone, and its first token is sent before the step goes on.
-Start-up times a few passes to price prompt chunks before the first request arrives.
+budget so a long prompt never freezes the streams already running. While streams decode, new
+prompts go first: those waiting run in a pass of their own before the streams' step, and one
+that arrives while a step runs cuts in: the step pauses between two layers
+(:mod:`engines.paged.layered`) while the newcomer's prompt runs alone, and its first token is
+sent before the step goes on. Start-up times a few passes to price prompt chunks before the
+first request arrives.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class StreamEngine(PagedEngine):
         self.block_bytes = block_bytes
         self.prefill_step_s = Ewma()
         self._paused_s = 0.0
-        """Seconds the step in progress spent paused for newcomers' passes."""
+        """Seconds the step in progress spent paused between layers."""
         if opts.warmup:
             self._warmup()
 
@@ -128,11 +130,10 @@ class StreamEngine(PagedEngine):
             return self.runner.run(sched)
 
         def pause(_layer: int) -> None:
-            if not arrivals():
-                return
-            newcomers = self.scheduler.cut_in()
-            if newcomers.seqs:
+            began = time.perf_counter()
+            if arrivals() and (newcomers := self.scheduler.cut_in()).seqs:
                 send(self._cut_in(newcomers))
+            self._paused_s += time.perf_counter() - began
 
         return self.runner.run(sched, pause)
 
@@ -143,13 +144,12 @@ class StreamEngine(PagedEngine):
         started = time.perf_counter()
         tokens = self._sample(newcomers, *self.runner.run(newcomers))
         seconds = time.perf_counter() - started
-        self._paused_s += seconds
         self.cost.observe(0, chunks, seconds)
         self._record_averages(seconds, newcomers.num_tokens, len(newcomers.seqs))
         return [self._emit(live, token) for live, token in tokens]
 
     def _record_timing(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
-        seconds -= self._paused_s  # the step's own work: the passes it waited for are timed apart
+        seconds -= self._paused_s  # the step's own work: the pauses (passes, their sends) are timed apart
         self._record_averages(seconds, num_tokens, num_seqs)
         self.cost.observe(*self.scheduler.last_plan, seconds)
 
