@@ -16,8 +16,8 @@ streams' step runs may cut in: the step pauses between two layers
 after its own pass, not after the rest of this step and all of the next. The streams pay for
 those passes: the model's weights read once more for each, besides the prompts they would
 have carried in their steps anyway. A latency-first engine makes that trade. On the ~100M
-model on 2 CPU cores, with 16 streams, the TTFT median and P99 both fell by two fifths
-against prompts riding in the streams' steps.
+model on 2 CPU cores, with 16 streams, the TTFT median fell by two fifths and its P99 by a
+fifth to two fifths against prompts riding in the streams' steps.
 
 A newcomer never cuts in ahead of a more urgent prompt in the step (with equal objectives:
 one that came first), which it would delay by its own pass: in a ramp, where steps carry the
