@@ -83,7 +83,7 @@ class LatencyScheduler(Scheduler):
             sched = self._whole_prompts()
             if sched.seqs:  # prompts first: a pass of their own, then the streams' step
                 self.last_plan = (0, plan_chunks(sched))
-                self._cut_ins_left, self._first_due = 0, min(s.priority for s in sched.seqs)
+                self._cut_ins_left = 0  # every prompt in the pass is more urgent than a newcomer
                 return sched
         sched = Schedule()
         for seq in [s for s in self.running if not s.is_prefilling]:
