@@ -7,8 +7,9 @@ budget so a long prompt never freezes the streams already running. While streams
 prompts go first: those waiting run in a pass of their own before the streams' step, and one
 that arrives while a step runs cuts in: the step pauses between two layers
 (:mod:`engines.paged.layered`) while the newcomer's prompt runs alone, and its first token is
-sent before the step goes on. Start-up times a few passes to price prompt chunks before the
-first request arrives.
+sent before the step goes on. A newcomer whose first token shows no text yet (part of a
+character) goes on alone in such a pass until it does: a client sees its first token when it
+sees text. Start-up times a few passes to price prompt chunks before the first request arrives.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from engines.stream.scheduler import LatencyPolicy, LatencyScheduler, plan_chunk
 from slogate.protocol import SamplingParams
 
 _WARMUP_TOKENS = 256
+_FIRST_TEXT_TOKENS = 4
+"""Most tokens a newcomer's pass samples to show its first text: a UTF-8 character is at
+most 4 bytes, so byte-level tokens of one take at most 4."""
 
 
 @dataclass
@@ -120,6 +124,12 @@ class StreamEngine(PagedEngine):
         """Bytes of the KV pool that requests hold (blocks in use)."""
         return (self.block_manager.num_blocks - self.block_manager.num_free_blocks) * self.block_bytes
 
+    def step(self, arrivals: Callable[[], bool] | None = None, send: Send | None = None) -> list[StepOutput]:
+        outputs = super().step(arrivals, send)
+        if self.scheduler.prompt_pass:
+            outputs += self._until_text(outputs)
+        return outputs
+
     def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None,
                  send: Send | None) -> tuple[list[int], torch.Tensor]:
         """The step's pass; between its layers ``arrivals`` takes in what the worker sent
@@ -146,7 +156,31 @@ class StreamEngine(PagedEngine):
         seconds = time.perf_counter() - started
         self.cost.observe(0, chunks, seconds)
         self._record_averages(seconds, newcomers.num_tokens, len(newcomers.seqs))
-        return [self._emit(live, token) for live, token in tokens]
+        outputs = [self._emit(live, token) for live, token in tokens]
+        return outputs + self._until_text(outputs)
+
+    def _until_text(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """After a pass of new prompts that went first, those whose first token shows no text
+        yet (part of a character, or what may start a stop string) go on alone, a token a
+        pass, until it shows. A client sees its first token when it sees text: left to the
+        streams' step, the rest of the step in progress, the prompts waiting for the next and
+        every pass that cuts into it came first. On the ~100M model on 2 cores, one request
+        in 12 had such a first token, and those made the 16-stream TTFT P99."""
+        more: list[StepOutput] = []
+        for _ in range(_FIRST_TEXT_TOKENS - 1):
+            hidden = [live.seq for out in outputs
+                      if (live := self._live.get(out.request_id)) is not None and not live.tracker.text]
+            sched = self.scheduler.next_tokens(hidden)
+            if not sched.seqs:
+                break
+            started = time.perf_counter()
+            tokens = self._sample(sched, *self.runner.run(sched))
+            seconds = time.perf_counter() - started
+            self.cost.observe(len(sched.seqs), [], seconds)
+            self._record_averages(seconds, len(sched.seqs), len(sched.seqs))
+            outputs = [self._emit(live, token) for live, token in tokens]
+            more += outputs
+        return more
 
     def _record_timing(self, seconds: float, num_tokens: int, num_seqs: int) -> None:
         seconds -= self._paused_s  # the step's own work: the pauses (passes, their sends) are timed apart

@@ -76,14 +76,18 @@ class LatencyScheduler(Scheduler):
         """Passes that may still pause the step in progress."""
         self._first_due: tuple[float, int] | None = None
         """The most urgent prompt that gets its first token from the step in progress."""
+        self.prompt_pass = False
+        """Whether the last schedule is a pass of new prompts that went first."""
 
     def schedule(self) -> Schedule:
         self.running.sort(key=lambda s: s.priority)
+        self.prompt_pass = False
         if self.policy.cut_ins_per_step > 0 and self.last_plan[0] > 0 and self._decoding():
             sched = self._whole_prompts()
             if sched.seqs:  # prompts first: a pass of their own, then the streams' step
                 self.last_plan = (0, plan_chunks(sched))
                 self._cut_ins_left = 0  # every prompt in the pass is more urgent than a newcomer
+                self.prompt_pass = True
                 return sched
         sched = Schedule()
         for seq in [s for s in self.running if not s.is_prefilling]:
@@ -110,6 +114,16 @@ class LatencyScheduler(Scheduler):
         if extra.seqs:
             self._cut_ins_left -= 1
         return extra
+
+    def next_tokens(self, seqs: list[Sequence]) -> Schedule:
+        """A decode-only pass of ``seqs`` alone, leaving out any whose next token needs a block
+        that only preempting a stream would free (it waits for the streams' step)."""
+        sched = Schedule()
+        for seq in seqs:
+            if seq.status is Status.RUNNING and not seq.is_prefilling and self.block_manager.can_append(seq):
+                self.block_manager.may_append(seq)
+                sched.add(seq, 1)
+        return sched
 
     def _whole_prompts(self, before: tuple[float, int] | None = None) -> Schedule:
         """Waiting requests started with their whole prompts, most urgent first (and more

@@ -385,3 +385,43 @@ def test_a_request_that_arrives_during_a_step_cuts_in_and_its_first_token_is_sen
     for i in range(2):
         assert tokens_of(outputs[f"s{i}"]) == reference(loaded, loaded.encode(PROMPTS[i], None), 8, min_new_tokens=8)
     assert_pool_clean(engine)
+
+
+def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(make, loaded: LoadedModel):
+    """'风' is three byte tokens: the first two show nothing. A newcomer that cuts in, or runs
+    in the pass of prompts at a step's start, is not left to wait for the streams' step for
+    the rest of its character."""
+    text = "风险评分 is high"
+    engine = make(scripted_model(loaded, text, "q"))
+    prompt_len = len(loaded.encode("q", None))
+    for i in range(2):
+        engine.add_request(request(f"s{i}", "q", max_tokens=12, ignore_eos=True))
+    steps = [engine.step()]
+    sent: list[list[StepOutput]] = []
+
+    def arrivals() -> bool:
+        if sent:
+            return False
+        engine.add_request(request("cut", "q", max_tokens=12, ignore_eos=True))
+        return True
+
+    def send(outputs: list[StepOutput]) -> None:
+        assert engine.kv_tokens("s0") == prompt_len, "sent while the step is paused"
+        sent.append(outputs)
+
+    steps.append(engine.step(arrivals, send))
+    assert {o.request_id for o in steps[-1]} == {"s0", "s1"}
+    assert [(o.request_id, o.text) for o in sent[0]] == [("cut", ""), ("cut", ""), ("cut", "风")]
+    steps.insert(1, sent[0])
+    engine.add_request(request("first", "q", max_tokens=12, ignore_eos=True))
+    steps.append(engine.step())
+    assert [(o.request_id, o.text) for o in steps[-1]] == [("first", ""), ("first", ""), ("first", "风")], (
+        "a pass of new prompts that go first, its newcomer on alone"
+    )
+    steps += drain(engine)
+    outputs = by_request(steps)
+    script = loaded.tokenizer(text, add_special_tokens=False).input_ids
+    assert tokens_of(outputs["cut"]) == tokens_of(outputs["first"]) == script[:12]
+    for rid in ("s0", "s1", "cut", "first"):  # the paused step ran the model a layer at a time, past the script's hook
+        assert "".join(o.text for o in outputs[rid]) == loaded.tokenizer.decode(tokens_of(outputs[rid])), rid
+    assert_pool_clean(engine)

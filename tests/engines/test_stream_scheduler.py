@@ -196,6 +196,22 @@ def test_while_streams_decode_waiting_prompts_run_first_in_a_pass_of_their_own_t
     assert got["s0"] == got["s1"] == got["a"] == got["b"] == 1 and got["c"] == 30 and got["long"] < 400, (
         "never two prompt passes in a row: then the streams step, with what waits beside them as before"
     )
+    assert not sch.prompt_pass
+
+
+def test_next_tokens_runs_decodes_alone_and_never_preempts_for_them():
+    sch = LatencyScheduler(BlockManager(8, 16), 4, 2048, 4096, cost(), LatencyPolicy())
+    full, other, waiting = seq("full", 16), seq("other", 20), seq("waiting", 10)
+    for s in (full, other):
+        sch.add(s)
+    step(sch)
+    sch.add(waiting)
+    sch.block_manager.allocate(seq("elsewhere", 5 * 16))
+    assert sch.block_manager.num_free_blocks == 0
+    assert plan(sch.next_tokens([full, other, waiting])) == {"other": 1}, (
+        "'full' needs a block no one has free, 'waiting' has no prompt computed"
+    )
+    assert sch.running == [full, other] and sch.waiting == [waiting] and not sch.num_preemptions
 
 
 def test_a_long_prompt_never_cuts_in_and_a_full_batch_takes_no_one():
