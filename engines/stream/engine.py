@@ -148,16 +148,21 @@ class StreamEngine(PagedEngine):
         return self.runner.run(sched, pause)
 
     def _cut_in(self, newcomers: Schedule) -> list[StepOutput]:
-        """Run ``newcomers``' prompts alone and return their first tokens' outputs; a pass of
-        prompts only, timed as such for the cost model."""
-        chunks = plan_chunks(newcomers)
-        started = time.perf_counter()
-        tokens = self._sample(newcomers, *self.runner.run(newcomers))
-        seconds = time.perf_counter() - started
-        self.cost.observe(0, chunks, seconds)
-        self._record_averages(seconds, newcomers.num_tokens, len(newcomers.seqs))
-        outputs = [self._emit(live, token) for live, token in tokens]
+        """Run ``newcomers``' prompts alone and return their outputs up to their first text; a
+        pass of prompts only, timed as such for the cost model."""
+        outputs = self._pass(newcomers, 0)
         return outputs + self._until_text(outputs)
+
+    def _pass(self, sched: Schedule, decodes: int) -> list[StepOutput]:
+        """Run ``sched`` (its first ``decodes`` rows decodes, the rest prompts) outside a step,
+        timed as a step of that shape for the cost model, and return its outputs."""
+        chunks = plan_chunks(sched, decodes)
+        started = time.perf_counter()
+        tokens = self._sample(sched, *self.runner.run(sched))
+        seconds = time.perf_counter() - started
+        self.cost.observe(decodes, chunks, seconds)
+        self._record_averages(seconds, sched.num_tokens, len(sched.seqs))
+        return [self._emit(live, token) for live, token in tokens]
 
     def _until_text(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """After a pass of new prompts that went first, those whose first token shows no text
@@ -173,12 +178,7 @@ class StreamEngine(PagedEngine):
             sched = self.scheduler.next_tokens(hidden)
             if not sched.seqs:
                 break
-            started = time.perf_counter()
-            tokens = self._sample(sched, *self.runner.run(sched))
-            seconds = time.perf_counter() - started
-            self.cost.observe(len(sched.seqs), [], seconds)
-            self._record_averages(seconds, len(sched.seqs), len(sched.seqs))
-            outputs = [self._emit(live, token) for live, token in tokens]
+            outputs = self._pass(sched, len(sched.seqs))
             more += outputs
         return more
 
