@@ -72,6 +72,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextIteratorStreamer
 
 from benchmarks.loadgen import markdown_table, percentile
+from benchmarks.prompt_floor import PassTimes, prompts_alone, time_passes
 from engines import paged, stream
 from engines.base import Engine, EngineRequest, StepOutput
 from engines.runtime.loader import resolve_device
@@ -103,6 +104,9 @@ class Trace:
     """Through the gateway: the completion tokens each chunk's running usage reported."""
     first: bool = False
     """Its client's first request: sent while the clients were still joining (the ramp)."""
+    prompt: str = ""
+    prompts_alone: float | None = None
+    """Its TTFT had the engine run nothing but the level's prompts (:mod:`benchmarks.prompt_floor`)."""
 
     @property
     def ttft(self) -> float | None:
@@ -208,7 +212,7 @@ async def sse_stream(session: aiohttp.ClientSession, url: str, model: str, pool:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    trace = trace or Trace(time.perf_counter())
+    trace = trace or Trace(time.perf_counter(), prompt=prompt)
     async with session.post(url + "/v1/completions", json=body, headers={"x-slogate-class": pool}) as resp:
         trace.status = resp.status
         async for line in resp.content:
@@ -280,7 +284,7 @@ def stream_request(rid: str, prompt: str, max_tokens: int) -> EngineRequest:
 
 def add_stream(engine: Engine, live: dict[str, Trace], rid: str, prompt: str, max_tokens: int,
                sent: float) -> Trace:
-    live[rid] = trace = Trace(sent)
+    live[rid] = trace = Trace(sent, prompt=prompt)
     engine.add_request(engine.prepare(stream_request(rid, prompt, max_tokens)))
     return trace
 
@@ -392,16 +396,45 @@ def warmup_fit(engine: stream.StreamEngine) -> dict[str, float]:
             "per_token_us": cost.per_token_s * 1e6, "per_token_per_position_ns": cost.per_token_per_position_s * 1e9}
 
 
+def stream_engine(args: argparse.Namespace, model_dir: Path) -> stream.StreamEngine:
+    return stream.create(str(model_dir), dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+                         **engine_options(args.stream_option))
+
+
+PASS_SIZES = [1, 8, 16, 24, 32, 48, 64, 128, 256, 512]
+"""Prompt lengths whose passes are timed for the prompts-alone TTFT (up to a pass's most)."""
+
+
+def pass_times(engine: stream.StreamEngine) -> PassTimes:
+    return time_passes(lambda n: engine.time_step([(0, n)]), PASS_SIZES)
+
+
+def pass_fit(passes: PassTimes) -> dict[str, float]:
+    """The timed prompt passes as the report's fit line shows them."""
+    return {f"pass_{n}_tokens_ms": seconds * 1000 for n, seconds in zip(passes.tokens, passes.seconds)}
+
+
+def stream_pass_times(args: argparse.Namespace, model_dir: Path, threads: int) -> PassTimes:
+    """Prompt passes of the stream engine at the workers' thread count, timed here before the
+    stack starts (a worker does not report them)."""
+    torch.set_num_threads(threads)
+    try:
+        return pass_times(stream_engine(args, model_dir))
+    finally:
+        torch.set_num_threads(1)
+
+
 def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                    threads: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, float]]:
     """Both engines in this process at the workers' thread count."""
     torch.set_num_threads(threads)
     engines: dict[str, Engine] = {
-        "stream": stream.create(str(model_dir), dtype=args.dtype, device=args.device, max_batch=args.max_batch,
-                                **engine_options(args.stream_option)),
+        "stream": stream_engine(args, model_dir),
         "paged": paged.create(str(model_dir), dtype=args.dtype, device=args.device),
     }
     fit = warmup_fit(engines["stream"])
+    passes = pass_times(engines["stream"])
+    fit |= pass_fit(passes)
     meter = CpuMeter({})
     for engine in engines.values():
         engine_closed_loop(engine, prompts.warmup)
@@ -410,6 +443,7 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         f"{name} engine, in process", meter,
         lambda level, engine=engine: engine_closed_loop(engine, level),
         lambda shorts, big, engine=engine: engine_long_prefill(engine, shorts, big, args.long_short_tokens),
+        passes if isinstance(engine, stream.StreamEngine) else None,
     ) for name, engine in engines.items()], prompts, args.stagger_ms, args.cycles)
     torch.set_num_threads(1)
     return rows, prefill, fit
@@ -421,6 +455,8 @@ class Contender:
     meter: CpuMeter
     closed_loop: Callable[[Level], list[Trace]]
     long_prefill: Callable[[list[str], str | None], dict[str, Any]]
+    passes: PassTimes | None = None
+    """The engine's timed prompt passes, for its TTFT with prompts alone."""
 
 
 def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float | None,
@@ -445,7 +481,12 @@ def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float 
                     total[k] = total.get(k, 0.0) + v
     rows: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
     prefill: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
+    passes = {c.label: c.passes for c in contenders}
     for (label, level), got in traces.items():
+        if (times := passes[label]) is not None:
+            arrivals = [(t.sent, prompts.tokens[t.prompt]) for t in got]
+            for t, alone in zip(got, prompts_alone(arrivals, times)):
+                t.prompts_alone = alone
         rows[label].append(latency_row(label, level, got, cpus[(label, level)], spreads[label].seconds))
         print(json.dumps(rows[label][-1]), flush=True)
     for repeat, (control, beside, long) in enumerate(prompts.long, 1):
@@ -522,6 +563,7 @@ def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, flo
     ramp = [t.ttft for t in ok if t.first]
     ok = [t for t in ok if not t.first]
     ttfts = [t.ttft for t in ok]
+    alone = [t.prompts_alone for t in ok if t.prompts_alone is not None]
     chunk_gaps = [g for t in ok for g in gaps(t.chunks)]
     token_gaps = [b - a for t in ok for a, b in t.token_pairs()]
     return {
@@ -530,6 +572,8 @@ def latency_row(name: str, streams: int, traces: list[Trace], cpu: dict[str, flo
         "measured": len(ok), "ramp_ttft_p99_ms": percentile(ramp, 99) * 1000 if ramp else None,
         "start_spread_ms": (spread_s or 0.0) * 1000 if streams > 1 else None,
         "ttft_p50_ms": percentile(ttfts, 50) * 1000, "ttft_p99_ms": percentile(ttfts, 99) * 1000,
+        "prompts_alone_ttft_p50_ms": percentile(alone, 50) * 1000 if alone else None,
+        "prompts_alone_ttft_p99_ms": percentile(alone, 99) * 1000 if alone else None,
         "chunk_gap_p50_ms": percentile(chunk_gaps, 50) * 1000, "chunk_gap_p99_ms": percentile(chunk_gaps, 99) * 1000,
         "token_gap_p50_ms": percentile(token_gaps, 50) * 1000 if token_gaps else None,
         "token_gap_p99_ms": percentile(token_gaps, 99) * 1000 if token_gaps else None,
@@ -556,9 +600,12 @@ def targets(rows: list[dict[str, Any]], gateway_prefill: list[dict[str, Any]],
         paged = get(f"paged engine{where}", top)
         label = f"stream engine{where or ' (gateway)'}"
         if one and many:
+            alone = many.get("prompts_alone_ttft_p99_ms")
             lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms <= 2x its 1-stream TTFT "
                          f"P50 ({2 * one['ttft_p50_ms']:.1f} ms): {met(many['ttft_p99_ms'] <= 2 * one['ttft_p50_ms'])} "
-                         f"(2x its 1-stream P99: {2 * one['ttft_p99_ms']:.1f} ms)")
+                         f"(2x its 1-stream P99: {2 * one['ttft_p99_ms']:.1f} ms"
+                         + (f"; with prompts alone the {top}-stream P99 would be {alone:.1f} ms" if alone else "")
+                         + ")")
         if many and paged:
             lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms below the paged "
                          f"engine's {paged['ttft_p99_ms']:.1f} ms: {met(many['ttft_p99_ms'] < paged['ttft_p99_ms'])}")
@@ -612,11 +659,13 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
            threads: int) -> str:
     latency = markdown_table(
         ["contender", "streams", "requests", "measured", "starts within ms", "errors", "TTFT P50 ms", "TTFT P99 ms",
-         "ramp TTFT P99 ms", "chunk gap P50 ms", "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms",
+         "prompts alone TTFT P50 ms", "prompts alone TTFT P99 ms", "ramp TTFT P99 ms", "chunk gap P50 ms",
+         "chunk gap P99 ms", "token gap P50 ms", "token gap P99 ms",
          "chunks/stream", "tokens/stream", "wall s", "CPU s gateway", "CPU s worker", "CPU s redis", "CPU s client",
          "Redis commands per token", "load 1m"],
         [[r["contender"], r["streams"], r["requests"], r["measured"], _ms_or_dash(r["start_spread_ms"]), r["errors"],
-          r["ttft_p50_ms"], r["ttft_p99_ms"], _ms_or_dash(r["ramp_ttft_p99_ms"]), r["chunk_gap_p50_ms"],
+          r["ttft_p50_ms"], r["ttft_p99_ms"], _ms_or_dash(r.get("prompts_alone_ttft_p50_ms")),
+          _ms_or_dash(r.get("prompts_alone_ttft_p99_ms")), _ms_or_dash(r["ramp_ttft_p99_ms"]), r["chunk_gap_p50_ms"],
           r["chunk_gap_p99_ms"], r["token_gap_p50_ms"] or "-", r["token_gap_p99_ms"] or "-",
           r["chunks_per_stream"], r["tokens_per_stream"], r["cpu_s"]["wall"], r["cpu_s"].get("gateway", "-"),
           r["cpu_s"].get("worker", "-"), r["cpu_s"].get("redis", "-"), r["cpu_s"]["client"],
@@ -665,11 +714,17 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"third largest, of 64 the second largest (the ramp of 16 streams in 4 rounds). Measured: every request but "
         f"each client's first in each round. The first requests are the ramp, sent while the clients are still "
         f"joining: with starts spread over a lifetime at one stream they arrive faster than N streams in steady state "
-        f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99').",
+        f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99'). "
+        f"Prompts alone (stream engine): the TTFT each request would have had if the engine ran nothing but "
+        f"the level's prompts, as they were sent, at this host's timed pass lengths (the fastest of 5; each pass takes "
+        f"every prompt waiting, in order sent): no decodes, no serving path. At {max(args.levels)} "
+        f"streams that queue of prompts is part of every scheduler's TTFT on this host "
+        f"(:mod:`benchmarks.prompt_floor`).",
         "",
         latency,
         "",
-        "Stream engine warmup fit (it prices every prefill decision): "
+        "Stream engine warmup fit (it prices every prefill decision) and, timed in this process, the prompt "
+        "passes behind the prompts-alone TTFT: "
         + "; ".join(f"{where}: " + ", ".join(f"{k} {v:.3g}" for k, v in fit.items()) for where, fit in fits.items())
         + ".",
         "",
@@ -753,6 +808,8 @@ class Prompts:
     levels: dict[int, Level]
     long: list[tuple[list[str], list[str], str]]
     """Per repeat: the control's 8 short prompts, the 8 beside the long prompt, the long one."""
+    tokens: dict[str, int]
+    """Each short prompt's length in tokens."""
 
 
 def max_tokens_range(max_tokens: int) -> tuple[int, int]:
@@ -776,11 +833,11 @@ def make_prompts(tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace) -
         return Level([(p, arrivals.randint(low, high)) for p in prompts],
                      [arrivals.random() if clients > 1 else 0.0 for _ in range(clients)])
 
-    return Prompts(
-        Level([(p, 8) for p in shorts(4)], [0.0] * 4),
-        {clients: level(clients) for clients in args.levels},
-        [(shorts(8), shorts(8), random_prompt(tokenizer, rng, args.long_tokens)) for _ in range(args.long_repeats)],
-    )
+    warmup = Level([(p, 8) for p in shorts(4)], [0.0] * 4)
+    levels = {clients: level(clients) for clients in args.levels}
+    long = [(shorts(8), shorts(8), random_prompt(tokenizer, rng, args.long_tokens)) for _ in range(args.long_repeats)]
+    tokens = {p: len(tokenizer(p, verbose=False).input_ids) for lv in levels.values() for p, _ in lv.requests}
+    return Prompts(warmup, levels, long, tokens)
 
 
 def main() -> None:
@@ -871,6 +928,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     """Both engines behind one gateway."""
     model = model_dir.name
     everywhere = os.sched_getaffinity(0)
+    passes = stream_pass_times(args, model_dir, threads)
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
         env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)}
@@ -893,7 +951,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 for proc in workers.values():  # the engine processes keep the workers' CPUs
                     for tid in os.listdir(f"/proc/{proc.pid}/task"):
                         os.sched_setaffinity(int(tid), parse_cpus(layout[0]))
-            fit = worker_fit(redis.url, POOLS["stream"])
+            fit = worker_fit(redis.url, POOLS["stream"]) | pass_fit(passes)
             for pool in POOLS.values():
                 asyncio.run(closed_loop(stack.url, model, pool, prompts.warmup))
             rows, prefill = take_turns([Contender(
@@ -903,6 +961,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 lambda level, pool=pool: asyncio.run(closed_loop(stack.url, model, pool, level)),
                 lambda shorts, big, pool=pool: asyncio.run(long_prefill(stack.url, model, pool, shorts, big,
                                                                         args.long_short_tokens)),
+                passes if engine == "stream" else None,
             ) for engine, pool in POOLS.items()], prompts, args.stagger_ms, args.cycles)
         finally:
             stack.stop()

@@ -1,0 +1,65 @@
+"""The time to first token an engine would give if it ran nothing but the prompts.
+
+Why: the stream engine's TTFT target compares 16 streams with one, and on CPU a prompt token
+costs about what a decode row does, so at 16 streams the newcomers' prompts are a large share
+of all the work and queue behind one another whatever the scheduler does with the streams.
+Serving the same arrivals with prompts alone (no decode, no serving path, each pass taking
+every prompt waiting, in arrival order) at this host's timed pass lengths shows how much of a
+measured TTFT tail is that queue, which no choice of what to decode when removes.
+
+The passes are timed, not taken from the engine's cost model: its straight line (a fixed cost
+from a one-token pass plus a cost per token) overprices short passes, since on CPU a pass of up
+to about 16 tokens costs little more than reading the weights once.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class PassTimes:
+    """Seconds a pass of a prompt of ``tokens[i]`` tokens took (the fastest of a few), and
+    between and beyond them the straight line through the nearest two."""
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __call__(self, n: int) -> float:
+        i = min(max(bisect.bisect_left(self.tokens, n), 1), len(self.tokens) - 1)
+        (a, b), (sa, sb) = self.tokens[i - 1:i + 1], self.seconds[i - 1:i + 1]
+        return max(sa + (sb - sa) * (n - a) / (b - a), 0.0)
+
+
+def time_passes(time_pass: Callable[[int], float], sizes: list[int], repeats: int = 5) -> PassTimes:
+    """Time a pass of each size ``repeats`` times and keep the fastest: a floor must not carry
+    a busy host's stalls."""
+    return PassTimes(sizes, [min(time_pass(n) for _ in range(repeats)) for n in sizes])
+
+
+def prompts_alone(arrivals: list[tuple[float, int]], pass_s: Callable[[int], float],
+                  pass_tokens: int = 512) -> list[float]:
+    """Seconds from each arrival ``(time, prompt tokens)`` to the end of the pass that ran its
+    prompt, in the order given. A pass takes every prompt that arrived before it began, in
+    arrival order, up to ``pass_tokens`` tokens (always at least one prompt), and lasts
+    ``pass_s`` of its tokens."""
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
+    ttft = [0.0] * len(arrivals)
+    free_at = float("-inf")
+    k = 0
+    while k < len(order):
+        begin = max(free_at, arrivals[order[k]][0])
+        taken, tokens = [], 0
+        while k < len(order) and arrivals[order[k]][0] <= begin:
+            n = arrivals[order[k]][1]
+            if taken and tokens + n > pass_tokens:
+                break
+            taken.append(order[k])
+            tokens += n
+            k += 1
+        free_at = begin + pass_s(tokens)
+        for i in taken:
+            ttft[i] = free_at - arrivals[i][0]
+    return ttft
