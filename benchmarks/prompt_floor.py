@@ -33,10 +33,14 @@ class PassTimes:
         return max(sa + (sb - sa) * (n - a) / (b - a), 0.0)
 
 
-def time_passes(time_pass: Callable[[int], float], sizes: list[int], repeats: int = 5) -> PassTimes:
-    """Time a pass of each size ``repeats`` times and keep the fastest: a floor must not carry
-    a busy host's stalls."""
-    return PassTimes(sizes, [min(time_pass(n) for _ in range(repeats)) for n in sizes])
+def time_passes(time_pass: Callable[[int], float], sizes: list[int], sweeps: int = 7) -> PassTimes:
+    """Time a pass of each size once a sweep and keep each size's fastest: a floor must not
+    carry a busy host's stalls, and sweeps spread each size's tries over the whole timing, so a
+    stretch of noise cannot hold all of one size's."""
+    best = [float("inf")] * len(sizes)
+    for _ in range(sweeps):
+        best = [min(b, time_pass(n)) for b, n in zip(best, sizes)]
+    return PassTimes(sizes, best)
 
 
 def prompts_alone(arrivals: list[tuple[float, int]], pass_s: Callable[[int], float],

@@ -443,7 +443,7 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         f"{name} engine, in process", meter,
         lambda level, engine=engine: engine_closed_loop(engine, level),
         lambda shorts, big, engine=engine: engine_long_prefill(engine, shorts, big, args.long_short_tokens),
-        passes if isinstance(engine, stream.StreamEngine) else None,
+        passes,
     ) for name, engine in engines.items()], prompts, args.stagger_ms, args.cycles)
     torch.set_num_threads(1)
     return rows, prefill, fit
@@ -715,11 +715,11 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"each client's first in each round. The first requests are the ramp, sent while the clients are still "
         f"joining: with starts spread over a lifetime at one stream they arrive faster than N streams in steady state "
         f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99'). "
-        f"Prompts alone (stream engine): the TTFT each request would have had if the engine ran nothing but "
-        f"the level's prompts, as they were sent, at this host's timed pass lengths (the fastest of 5; each pass takes "
-        f"every prompt waiting, in order sent): no decodes, no serving path. At {max(args.levels)} "
-        f"streams that queue of prompts is part of every scheduler's TTFT on this host "
-        f"(:mod:`benchmarks.prompt_floor`).",
+        f"Prompts alone: the TTFT each request would have had if its engine ran nothing but the level's prompts, "
+        f"as they were sent, at this host's timed pass lengths (the fastest of 7 sweeps, on the stream engine; both "
+        f"engines run the same model runner; each pass takes every prompt waiting, in order sent): no decodes, no "
+        f"serving path. At {max(args.levels)} streams that queue of prompts is part of every scheduler's TTFT on "
+        f"this host (`benchmarks/prompt_floor.py`).",
         "",
         latency,
         "",
@@ -961,7 +961,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 lambda level, pool=pool: asyncio.run(closed_loop(stack.url, model, pool, level)),
                 lambda shorts, big, pool=pool: asyncio.run(long_prefill(stack.url, model, pool, shorts, big,
                                                                         args.long_short_tokens)),
-                passes if engine == "stream" else None,
+                passes,
             ) for engine, pool in POOLS.items()], prompts, args.stagger_ms, args.cycles)
         finally:
             stack.stop()

@@ -39,7 +39,12 @@ def test_pass_times_follow_the_timed_points_and_the_nearest_segment_beyond_them(
     assert times(1) >= 0.0
 
 
-def test_time_passes_keeps_the_fastest_of_each_size():
-    runs = iter([0.05, 0.03, 0.04, 0.09, 0.07, 0.08])
-    times = time_passes(lambda n: next(runs), [16, 32], repeats=3)
-    assert times.seconds == [0.03, 0.07]
+def test_time_passes_keeps_the_fastest_of_each_size_over_sweeps_of_all_sizes():
+    runs = iter([(16, 0.05), (32, 0.09), (16, 0.03), (32, 0.07), (16, 0.04), (32, 0.08)])
+
+    def time_pass(n: int) -> float:
+        size, seconds = next(runs)
+        assert size == n  # one of each size a sweep, in order
+        return seconds
+
+    assert time_passes(time_pass, [16, 32], sweeps=3).seconds == [0.03, 0.07]
