@@ -9,7 +9,7 @@ measured TTFT tail is that queue, which no choice of what to decode when removes
 
 The passes are timed, not taken from the engine's cost model: its straight line (a fixed cost
 from a one-token pass plus a cost per token) overprices short passes, since on CPU a pass of up
-to about 16 tokens costs little more than reading the weights once.
+to 8-16 tokens costs little more than reading the weights once.
 """
 
 from __future__ import annotations

@@ -455,7 +455,7 @@ class Contender:
     meter: CpuMeter
     closed_loop: Callable[[Level], list[Trace]]
     long_prefill: Callable[[list[str], str | None], dict[str, Any]]
-    passes: PassTimes | None = None
+    passes: PassTimes
     """The engine's timed prompt passes, for its TTFT with prompts alone."""
 
 
@@ -483,10 +483,9 @@ def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float 
     prefill: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
     passes = {c.label: c.passes for c in contenders}
     for (label, level), got in traces.items():
-        if (times := passes[label]) is not None:
-            arrivals = [(t.sent, prompts.tokens[t.prompt]) for t in got]
-            for t, alone in zip(got, prompts_alone(arrivals, times)):
-                t.prompts_alone = alone
+        arrivals = [(t.sent, prompts.tokens[t.prompt]) for t in got]
+        for t, alone in zip(got, prompts_alone(arrivals, passes[label])):
+            t.prompts_alone = alone
         rows[label].append(latency_row(label, level, got, cpus[(label, level)], spreads[label].seconds))
         print(json.dumps(rows[label][-1]), flush=True)
     for repeat, (control, beside, long) in enumerate(prompts.long, 1):
@@ -718,7 +717,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"Prompts alone: the TTFT each request would have had if its engine ran nothing but the level's prompts, "
         f"as they were sent, at this host's timed pass lengths (the fastest of 7 sweeps, on the stream engine; both "
         f"engines run the same model runner; each pass takes every prompt waiting, in order sent): no decodes, no "
-        f"serving path. At {max(args.levels)} streams that queue of prompts is part of every scheduler's TTFT on "
+        f"serving path. At {max(args.levels)} streams that queue of prompts lies under every scheduler's TTFT on "
         f"this host (`benchmarks/prompt_floor.py`).",
         "",
         latency,
