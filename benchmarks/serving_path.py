@@ -1,0 +1,180 @@
+"""Where a streamed request's time to first token goes on its way through the gateway.
+
+The stream benchmark shows the gateway rows' TTFT above the in-process rows'; this splits it,
+request by request, with the spans the gateway and the worker already record (OpenTelemetry,
+written to a file) and the client's own clock (all processes on this host, one clock):
+
+- to the gateway: the client sends until the gateway's request span starts (HTTP, parsing);
+- gateway: authentication, parsing, validation and admission, until it seals the request;
+- to a worker: sealing it, its XADD to the pool's stream, until a worker has read the entry
+  (XREADGROUP; the gateway may see the XADD's reply later than that);
+- worker to first token: tokenizing, handing the request to the engine, waiting for the step
+  in progress, the prompt pass, until the first output with text is back at the worker;
+- back to the client: that output's record through Redis, the gateway's reader and SSE.
+
+Writing the spans costs time on the gateway's path, so the same load runs again untraced and
+the table shows both TTFTs.
+
+    python -m benchmarks.serving_path [--size tiny] [--levels 1 16] [--requests 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from transformers import AutoTokenizer
+
+from benchmarks.loadgen import markdown_table, percentile
+from benchmarks.stream_engine import random_prompt
+from engines.runtime.tiny_model import build_tiny_model
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HOPS = ["to the gateway", "gateway", "to a worker", "worker to first token", "back to the client"]
+Sent = tuple[str, float, float]
+"""A request's id (its x-request-id), when the client sent it and when its first text came."""
+
+
+def span_time(stamp: str) -> float:
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+def hops(spans: list[dict[str, Any]], sent: float, first: float) -> dict[str, float] | None:
+    """Seconds of each hop of one request, from the spans of its trace; None when a span is
+    missing (a request the worker had not finished writing spans for)."""
+    named = {sp["name"].split(" ")[0]: sp for sp in spans}
+    if not {"POST", "enqueue", "queue_wait", "prefill"} <= named.keys():
+        return None
+    arrived = span_time(named["POST"]["start_time"])
+    enqueuing = span_time(named["enqueue"]["start_time"])
+    taken = span_time(named["queue_wait"]["end_time"])
+    first_out = span_time(named["prefill"]["end_time"])
+    return dict(zip(HOPS, (arrived - sent, enqueuing - arrived, taken - enqueuing, first_out - taken,
+                           first - first_out)))
+
+
+def trace_hops(path: Path, sent: list[Sent]) -> list[dict[str, float]]:
+    """Each sent request's hops, joined to its trace by the request id on the gateway's span."""
+    traces: dict[str, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        sp = json.loads(line)
+        traces.setdefault(sp["context"]["trace_id"], []).append(sp)
+    by_request = {sp["attributes"]["slogate.request_id"]: spans for spans in traces.values() for sp in spans
+                  if sp["name"].startswith("POST")}
+    found = (hops(by_request.get(rid, []), s, f) for rid, s, f in sent)
+    return [h for h in found if h is not None]
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, body: dict[str, Any], rid: str) -> Sent:
+    sent = time.time()
+    first = 0.0
+    headers = {"x-request-id": rid, "x-slogate-class": "interactive"}
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        async for line in resp.content:
+            if not first and line.startswith(b"data: {"):
+                chunk = msgspec.json.decode(line[6:])
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    first = time.time()
+    return rid, sent, first
+
+
+async def closed_loop(url: str, model: str, prompts: list[tuple[str, int]], clients: int, tag: str) -> list[Sent]:
+    """``clients`` clients, each sending its next request when its last one ends."""
+    out: list[Sent] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def client(c: int) -> None:
+            for i, (prompt, max_tokens) in enumerate(prompts[c::clients]):
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "stream": True}
+                out.append(await stream_once(session, url, body, f"{tag}-{c}-{i}"))
+
+        await asyncio.gather(*(client(c) for c in range(clients)))
+    return [s for s in out if s[2]]
+
+
+def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, threads: int,
+        trace_file: Path | None) -> dict[int, list[Sent]]:
+    """Each level's requests through one gateway and one worker, after a warm-up."""
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = LocalRedis(Path(tmp)).start()
+        env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir), "OMP_NUM_THREADS": str(threads)}
+        if trace_file is not None:
+            env |= {"OTEL_TRACES_EXPORTER": "file", "SLOGATE_TRACE_FILE": str(trace_file)}
+        stack = Stack(redis.url, env)
+        try:
+            stack.gateway()
+            stack.worker("interactive", engine)
+            stack.wait_models(model_dir.name, timeout=300)
+            warmup = [(p, 8) for p, _ in next(iter(levels.values()))[:8]]
+            asyncio.run(closed_loop(stack.url, model_dir.name, warmup, 4, "warmup"))
+            return {n: asyncio.run(closed_loop(stack.url, model_dir.name, prompts, n, f"l{n}"))
+                    for n, prompts in levels.items()}
+        finally:
+            stack.stop()
+            redis.stop()
+
+
+def report(traced: dict[int, list[dict[str, float]]], untraced: dict[int, list[Sent]]) -> list[list[Any]]:
+    def cells(values: list[float]) -> list[Any]:
+        return [round(percentile(values, q) * 1000, 2) for q in (50, 90, 99)]
+
+    rows = [[hop, *(c for n in traced for c in cells([h[hop] for h in traced[n]]))] for hop in HOPS]
+    rows.append(["TTFT, traced", *(c for n in traced for c in cells([sum(h.values()) for h in traced[n]]))])
+    rows.append(["TTFT, untraced", *(c for n in untraced for c in cells([f - s for _, s, f in untraced[n]]))])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="tiny", choices=["tiny", "100m"])
+    parser.add_argument("--model-dir", type=Path, help="an existing model directory instead of building one")
+    parser.add_argument("--engine", default="stream", choices=["stream", "paged"])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 16], help="concurrent streams")
+    parser.add_argument("--requests", type=int, default=300, help="measured requests per level")
+    parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", help="results file name (default: serving_path_<size>_<engine>)")
+    args = parser.parse_args()
+    name = args.name or f"serving_path_{args.size}_{args.engine}"
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model_dir or build_tiny_model(Path(tmp) / args.size, size=args.size))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        rng = random.Random(args.seed)
+        levels = {n: [(random_prompt(tokenizer, rng, rng.randint(16, 64)), rng.randint(16, 48))
+                      for _ in range(args.requests)] for n in args.levels}
+        trace_file = Path(tmp) / "spans.jsonl"
+        sent = run(model_dir, levels, args.engine, args.threads, trace_file)
+        traced = {n: trace_hops(trace_file, s) for n, s in sent.items()}
+        untraced = run(model_dir, levels, args.engine, args.threads, None)
+    headers = ["hop", *(f"{n} stream{'s' * (n > 1)} {q} ms" for n in args.levels for q in ("P50", "P90", "P99"))]
+    rows = report(traced, untraced)
+    text = "\n".join([
+        f"# Time to first token through the gateway, hop by hop ({args.size} model, {args.engine} engine)", "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, x86_64 with {os.cpu_count()} cores shared by the "
+        f"load generator, gateway, Redis, worker and engine process; worker at {args.threads} torch thread(s); "
+        f"prompts of 16-64 tokens, max_tokens 16-48, closed loop, {args.requests} requests a level "
+        f"(traced: {', '.join(f'{len(v)} joined at {n}' for n, v in traced.items())}). TTFT: to the first "
+        "chunk with text. Hops as `benchmarks/serving_path.py` defines them; percentiles are per hop, so "
+        "they do not add up to the TTFT's.", "",
+        markdown_table(headers, rows), ""])
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"name": name, "args": vars(args) | {"model_dir": None},
+                                                      "headers": headers, "rows": rows}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
