@@ -9,6 +9,7 @@ from engines.base import EngineLoad
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
                 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+TTFT_BUCKETS = (*STEP_BUCKETS, 5.0, 10.0, 30.0, 60.0)
 
 
 class WorkerMetrics:
@@ -20,6 +21,10 @@ class WorkerMetrics:
         self.waiting = Gauge("slogate_worker_requests_waiting", "Requests held by the engine, not yet running", names, registry=r).labels(*self.labels)
         self.kv_usage = Gauge("slogate_worker_kv_cache_usage_ratio", "Share of KV-cache blocks in use", names, registry=r).labels(*self.labels)
         self.prefix_hits = Gauge("slogate_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", names, registry=r).labels(*self.labels)
+        self.ttft = Histogram("slogate_worker_time_to_first_token_seconds",
+                              "From taking a request off its pool's stream to its first text: the engine's share of "
+                              "the gateway's slogate_time_to_first_token_seconds", names, buckets=TTFT_BUCKETS,
+                              registry=r).labels(*self.labels)
         self.step = Histogram("slogate_worker_step_seconds", "Engine step duration", names, buckets=STEP_BUCKETS, registry=r).labels(*self.labels)
         self.tokens = Counter("slogate_worker_generated_tokens", "Tokens generated", names, registry=r).labels(*self.labels)
         self._finished = Counter("slogate_worker_requests", "Requests settled by this worker", [*names, "outcome"], registry=r)

@@ -380,7 +380,9 @@ class Worker:
                 self.metrics.finished(code)
             else:
                 if out.text:
-                    job.first_token_at = job.first_token_at or now
+                    if not job.first_token_at:
+                        job.first_token_at = now
+                        self.metrics.ttft.observe(now - job.received_at)
                     job.held += out.text
                 if job.held and (job.req.stream or out.finish_reason is not None):
                     self._write(job, Delta(job.held, job.offset, job.attempt, out.prompt_tokens, out.completion_tokens))

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from slogate import logs
 from slogate.local_redis import LocalRedis, free_port
@@ -102,6 +103,12 @@ def test_worker_serves_its_own_metrics(traced) -> None:
     assert status == 200
     assert 'slogate_worker_requests_total{engine="sim",outcome="length",pool="interactive"' in text
     assert "slogate_worker_step_seconds_bucket" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    served = sum(s.value for s in families["slogate_worker_requests"].samples
+                 if s.name.endswith("_total") and s.labels["outcome"] == "length")
+    first_tokens = [s.value for s in families["slogate_worker_time_to_first_token_seconds"].samples
+                    if s.name.endswith("_count")]
+    assert served >= 1 and first_tokens == [served], "every request that produced text has its first token timed"
     assert "slogate_worker_kv_cache_usage_ratio" in text
 
 
