@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import uvloop
 from transformers import AutoTokenizer
 
 from benchmarks.loadgen import markdown_table, percentile
@@ -121,8 +122,8 @@ def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, 
             stack.worker("interactive", engine)
             stack.wait_models(model_dir.name, timeout=300)
             warmup = [(p, 8) for p, _ in next(iter(levels.values()))[:8]]
-            asyncio.run(closed_loop(stack.url, model_dir.name, warmup, 2, "warmup"))
-            return {n: asyncio.run(closed_loop(stack.url, model_dir.name, prompts, n, f"l{n}"))
+            uvloop.run(closed_loop(stack.url, model_dir.name, warmup, 2, "warmup"))
+            return {n: uvloop.run(closed_loop(stack.url, model_dir.name, prompts, n, f"l{n}"))
                     for n, prompts in levels.items()}
         finally:
             stack.stop()

@@ -411,8 +411,8 @@ def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(
 
     steps.append(engine.step(arrivals, send))
     assert {o.request_id for o in steps[-1]} == {"s0", "s1"}
-    assert [(o.request_id, o.text) for o in sent[0]] == [("cut", ""), ("cut", ""), ("cut", "风")]
-    steps.insert(1, sent[0])
+    assert [[(o.request_id, o.text) for o in outs] for outs in sent] == [[("cut", "")], [("cut", ""), ("cut", "风")]]
+    steps.insert(1, [o for outs in sent for o in outs])
     engine.add_request(request("first", "q", max_tokens=12, ignore_eos=True))
     steps.append(engine.step())
     assert [(o.request_id, o.text) for o in steps[-1]] == [("first", ""), ("first", ""), ("first", "风")], (
@@ -424,4 +424,31 @@ def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(
     assert tokens_of(outputs["cut"]) == tokens_of(outputs["first"]) == script[:12]
     for rid in ("s0", "s1", "cut", "first"):  # the paused step ran the model a layer at a time, past the script's hook
         assert "".join(o.text for o in outputs[rid]) == loaded.tokenizer.decode(tokens_of(outputs[rid])), rid
+    assert_pool_clean(engine)
+
+
+def test_a_newcomer_whose_first_token_shows_text_is_sent_before_its_pass_mates_go_on(make, loaded: LoadedModel):
+    """Two newcomers share a pass of prompts that go first: one's first token is ' is', the
+    other's the first byte of '风'. The first is sent when the pass ends, not held while the
+    other goes on alone for the rest of its character."""
+    text = "风险评分 is high"
+    script = loaded.tokenizer(text, add_special_tokens=False).input_ids
+    engine = make(scripted_model(loaded, text, "q"))
+    k = next(i for i, token in enumerate(script) if loaded.tokenizer.decode([token]) == " is")
+    words = "q" + " q" * (k // 2)  # each ' q' is two tokens: its first token is the script's k-th
+    assert len(loaded.encode(words, None)) - len(loaded.encode("q", None)) == k
+    for i in range(2):
+        engine.add_request(request(f"s{i}", "q", max_tokens=12, ignore_eos=True))
+    steps = [engine.step(), engine.step()]
+    engine.add_request(request("bytes", "q", max_tokens=4, ignore_eos=True))
+    engine.add_request(request("words", words, max_tokens=4, ignore_eos=True))
+    sent: list[list[StepOutput]] = []
+    steps.append(engine.step(None, sent.append))
+    assert [(o.request_id, o.text) for o in sent[0]] == [("bytes", ""), ("words", " is")]
+    assert [(o.request_id, o.text) for o in steps[-1]] == [("bytes", ""), ("bytes", "风")]
+    steps.insert(2, sent[0])
+    steps += drain(engine)
+    outputs = by_request(steps)
+    assert tokens_of(outputs["bytes"]) == script[:4]
+    assert tokens_of(outputs["words"]) == script[k:k + 2] + [loaded.tokenizer.eos_token_id] * 2
     assert_pool_clean(engine)
