@@ -621,7 +621,7 @@ def targets(rows: list[dict[str, Any]], gateway_prefill: list[dict[str, Any]],
         label = f"stream engine{where or ' (gateway)'}"
         if one and many:
             alone = many.get("prompts_alone_ttft_p99_ms")
-            ok = many['ttft_p99_ms'] <= 2 * one['ttft_p50_ms']
+            ok = many["ttft_p99_ms"] <= 2 * one["ttft_p50_ms"]
             lines.append(f"- {label}: TTFT P99 at {top} streams {many['ttft_p99_ms']:.1f} ms <= 2x its 1-stream TTFT "
                          f"P50 ({2 * one['ttft_p50_ms']:.1f} ms): {met(ok)}, "
                          f"{ratio(many, 50, one)} its 1-stream P50 (against its 1-stream P99, "
