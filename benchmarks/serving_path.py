@@ -13,7 +13,9 @@ written to a file) and the client's own clock (all processes on this host, one c
 - back to the client: that output's record through Redis, the gateway's reader and SSE.
 
 Writing the spans costs time on the gateway's path, so the same load runs again untraced and
-the table shows both TTFTs.
+the table shows both TTFTs. During the untraced run a second table shows, per process, the CPU
+it used and the share of the time it was ready to run but waiting for a core (Linux schedstat):
+on a small host the hops' tails are mostly that wait.
 
     python -m benchmarks.serving_path [--size tiny] [--levels 1 16] [--requests 300]
 """
@@ -46,6 +48,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 HOPS = ["to the gateway", "gateway", "to a worker", "worker to first token", "back to the client"]
 Sent = tuple[str, float, float]
 """A request's id (its x-request-id), when the client sent it and when its first text came."""
+Usage = dict[str, tuple[float, float]]
+"""Per process: CPU seconds and seconds runnable but waiting for a core, each per second of wall time."""
 
 
 def span_time(stamp: str) -> float:
@@ -108,8 +112,26 @@ async def closed_loop(url: str, model: str, prompts: list[tuple[str, int]], clie
     return [s for s in out if s[2]]
 
 
+def schedstat(pid: int) -> tuple[float, float]:
+    """Seconds the threads of ``pid`` ran, and waited runnable for a core (``/proc/*/schedstat``)."""
+    ran = waited = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "schedstat").read_text().split()
+        ran, waited = ran + int(fields[0]), waited + int(fields[1])
+    return ran / 1e9, waited / 1e9
+
+
+def measured(pids: dict[str, int], load: Any) -> tuple[list[Sent], Usage]:
+    """Run the coroutine ``load`` and what each process of ``pids`` did meanwhile."""
+    before, began = {name: schedstat(pid) for name, pid in pids.items()}, time.perf_counter()
+    sent = uvloop.run(load)
+    after, wall = {name: schedstat(pid) for name, pid in pids.items()}, time.perf_counter() - began
+    return sent, {name: ((after[name][0] - before[name][0]) / wall, (after[name][1] - before[name][1]) / wall)
+                  for name in pids}
+
+
 def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, threads: int,
-        trace_file: Path | None) -> dict[int, list[Sent]]:
+        trace_file: Path | None) -> dict[int, tuple[list[Sent], Usage]]:
     """Each level's requests through one gateway and one worker, after a warm-up."""
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
@@ -118,12 +140,16 @@ def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, 
             env |= {"OTEL_TRACES_EXPORTER": "file", "SLOGATE_TRACE_FILE": str(trace_file)}
         stack = Stack(redis.url, env)
         try:
-            stack.gateway()
-            stack.worker("interactive", engine)
+            gateway = stack.gateway()
+            worker = stack.worker("interactive", engine)
             stack.wait_models(model_dir.name, timeout=300)
+            children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()
+            engine_pid = next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+            pids = {"load generator": os.getpid(), "gateway": gateway.pid, "Redis": redis.proc.pid,
+                    "worker": worker.pid, "engine process": engine_pid}
             warmup = [(p, 8) for p, _ in next(iter(levels.values()))[:8]]
             uvloop.run(closed_loop(stack.url, model_dir.name, warmup, 2, "warmup"))
-            return {n: uvloop.run(closed_loop(stack.url, model_dir.name, prompts, n, f"l{n}"))
+            return {n: measured(pids, closed_loop(stack.url, model_dir.name, prompts, n, f"l{n}"))
                     for n, prompts in levels.items()}
         finally:
             stack.stop()
@@ -161,10 +187,16 @@ def main() -> None:
                       for _ in range(args.requests)] for n in args.levels}
         trace_file = Path(tmp) / "spans.jsonl"
         sent = run(model_dir, levels, args.engine, args.threads, trace_file)
-        traced = {n: trace_hops(trace_file, s) for n, s in sent.items()}
+        traced = {n: trace_hops(trace_file, s) for n, (s, _) in sent.items()}
         untraced = run(model_dir, levels, args.engine, args.threads, None)
-    headers = ["hop", *(f"{n} stream{'s' * (n > 1)} {q} ms" for n in args.levels for q in ("P50", "P90", "P99"))]
-    rows = report(traced, untraced)
+    streams = {n: f"{n} stream{'s' * (n > 1)}" for n in args.levels}
+    headers = ["hop", *(f"{streams[n]} {q} ms" for n in args.levels for q in ("P50", "P90", "P99"))]
+    rows = report(traced, {n: s for n, (s, _) in untraced.items()})
+    usage = {n: u for n, (_, u) in untraced.items()}
+    usage_headers = ["process", *(f"{streams[n]} {what}" for n in args.levels
+                                  for what in ("CPU % of a core", "waiting for a core %"))]
+    usage_rows = [[name, *(round(v * 100, 1) for n in args.levels for v in usage[n][name])]
+                  for name in usage[args.levels[0]]]
     text = "\n".join([
         f"# Time to first token through the gateway, hop by hop ({args.size} model, {args.engine} engine)", "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, x86_64 with {os.cpu_count()} cores shared by the "
@@ -174,11 +206,17 @@ def main() -> None:
         f"(traced: {', '.join(f'{len(v)} measured at {n}' for n, v in traced.items())}). TTFT: to the first "
         "chunk with text. Hops as `benchmarks/serving_path.py` defines them; percentiles are per hop, so "
         "they do not add up to the TTFT's.", "",
-        markdown_table(headers, rows), ""])
+        markdown_table(headers, rows), "",
+        "The untraced run, per process: the CPU it used (CPU seconds per second of wall time) and the share "
+        "of the time it was ready to run but waited for a core, from /proc/PID/task/*/schedstat. The worker's "
+        "row is its event loop; the engine steps in the engine process.", "",
+        markdown_table(usage_headers, usage_rows), ""])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text(text)
     (RESULTS / f"{name}.json").write_text(json.dumps({"name": name, "args": vars(args) | {"model_dir": None},
-                                                      "headers": headers, "rows": rows}, indent=1))
+                                                      "headers": headers, "rows": rows,
+                                                      "process_headers": usage_headers, "process_rows": usage_rows},
+                                                     indent=1))
     print(text)
 
 

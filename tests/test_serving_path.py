@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from benchmarks.serving_path import HOPS, hops, trace_hops
+from benchmarks.serving_path import HOPS, hops, schedstat, trace_hops
 
 BASE = datetime(2026, 12, 1, 5, 0, tzinfo=timezone.utc).timestamp()
 
@@ -57,3 +61,22 @@ def test_trace_hops_joins_requests_to_their_traces_by_request_id(tmp_path: Path)
     joined = trace_hops(path, sent)
     assert len(joined) == 2
     assert [round(h["back to the client"] * 1000, 3) for h in joined] == [2.5, 1.5]
+
+
+
+def test_schedstat_counts_time_running_and_time_waiting_for_a_core() -> None:
+    """Two busy processes pinned to one core: each runs about half the time and waits the rest."""
+    cpu = min(os.sched_getaffinity(0))
+    rivals = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for rival in rivals:
+            os.sched_setaffinity(rival.pid, {cpu})
+        before = schedstat(rivals[0].pid)
+        time.sleep(0.4)
+        ran, waited = (a - b for a, b in zip(schedstat(rivals[0].pid), before))
+    finally:
+        for rival in rivals:
+            rival.kill()
+            rival.wait()
+    assert ran >= 0.08
+    assert waited >= 0.08
