@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
 import time
-import os
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -18,16 +18,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import completions
 from gateway.audit import AuditLog
+from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
 from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
+from gateway.ratelimit import RateLimiter
 from gateway.results import ResultMux
 from gateway.state import STATE, GatewayState
-from policies.admission import AdmissionController
-from gateway.auth import KeyStore
-from gateway.ratelimit import RateLimiter
 from gateway.workers import WorkerDirectory
+from policies.admission import AdmissionController
 from slogate import logs, tracing
 from slogate.config import Config
 from slogate.crypto import Sealer
@@ -55,18 +55,41 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
         request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
     except web.HTTPException as exc:
         resp = _http_error(request, exc).response()
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
+        _audit(request, started, CLIENT_CLOSED)
         raise
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, ConnectionResetError) and _client_gone(request):
+            log.info("the client closed the connection during %s %s", request.method, request.path)
+            _audit(request, started, CLIENT_CLOSED)
+            return web.Response(status=CLIENT_CLOSED)
         log.exception("unhandled error serving %s %s", request.method, request.path)
         resp = APIError(500, "internal error in the gateway; the request id is in x-request-id",
                         None, "internal_error").response()
     if not resp.prepared:
         resp.headers["x-request-id"] = request_id
-    if request.path in _AUDITED:
-        state = request.app[STATE]
-        state.audit.write(request_id, started, resp.status, request["audit"])
+    _audit(request, started, resp.status)
     return resp
+
+
+CLIENT_CLOSED = 499
+"""The status the audit trail gives a request whose client left before its answer ended
+(nginx's "client closed request"); it is never sent."""
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _audit(request: web.Request, started: float, status: int) -> None:
+    """Every completion request goes into the audit trail, whatever became of it: a client that
+    leaves mid-answer is recorded with what it was sent (``outcome`` says how it ended)."""
+    if request.path in _AUDITED:
+        entry = request["audit"]
+        if status == CLIENT_CLOSED:
+            entry.setdefault("outcome", "cancelled")
+        request.app[STATE].audit.write(request["request_id"], started, status, entry)
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:

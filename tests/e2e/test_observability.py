@@ -85,15 +85,37 @@ async def test_audit_trail_has_every_request_and_no_text(traced) -> None:
                           headers={"x-request-id": "audit-404"}) as r:
             assert r.status == 404
     time.sleep(0.2)
-    out = subprocess.run([sys.executable, "-m", "slogate.cli", "audit-export"], capture_output=True,
-                         text=True, env=stack.env(), cwd=ROOT, check=True).stdout
-    records = {r["request_id"]: r for r in map(json.loads, out.splitlines())}
+    records = audit_records(stack)
     good, bad = records["audit-ok"], records["audit-404"]
     assert good["status"] == 200 and good["key"] == "anonymous" and good["model"] == MODEL
     assert good["cls"] == "interactive" and good["decision"] == "fits" and good["outcome"] == "length"
     assert good["completion_tokens"] == 3 and good["prompt_tokens"] > 0
     assert bad["status"] == 404 and bad["outcome"] == "rejected"
-    assert SECRET_PROMPT not in out and answer.strip() not in out
+    text = json.dumps(list(records.values()))
+    assert SECRET_PROMPT not in text and answer.strip() not in text
+
+
+def audit_records(stack: Stack) -> dict[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "slogate.cli", "audit-export"], capture_output=True,
+                         text=True, env=stack.env(), cwd=ROOT, check=True).stdout
+    return {r["request_id"]: r for r in map(json.loads, out.splitlines())}
+
+
+async def test_audit_trail_records_a_client_that_leaves_mid_stream(traced) -> None:
+    stack, _, _ = traced
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 2000,
+            "stream": True}
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(stack.url + "/v1/chat/completions", json=body, headers={"x-request-id": "audit-gone"})
+        assert resp.status == 200
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()
+    deadline = time.monotonic() + 5
+    while "audit-gone" not in (records := audit_records(stack)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    gone = records["audit-gone"]
+    assert gone["status"] == 499 and gone["outcome"] == "cancelled"
+    assert gone["model"] == MODEL and gone["decision"] and gone["pool"] == gone["cls"]
 
 
 def test_worker_serves_its_own_metrics(traced) -> None:
