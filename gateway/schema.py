@@ -56,11 +56,19 @@ class _Common(msgspec.Struct):
     stop_token_ids: list[int] | None = None
     logprobs: bool | int | None = None
     tools: list[Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
 
 
 class ChatBody(_Common):
     messages: list[Message] = msgspec.field(default_factory=list)
     max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    functions: list[Any] | None = None
+    """The deprecated form of ``tools``."""
 
 
 class CompletionBody(_Common):
@@ -137,6 +145,15 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
     if raw.logprobs:
         raise bad_request("logprobs are not supported by this gateway", "logprobs", "unsupported_value")
+    if raw.logit_bias:
+        raise bad_request("logit_bias is not supported by this gateway", "logit_bias", "unsupported_value")
+    if isinstance(raw, ChatBody):
+        if raw.functions:
+            raise bad_request("function calling is not supported by this gateway", "functions", "unsupported_value")
+        if raw.response_format is not None and raw.response_format.type != "text":
+            raise bad_request(f"response_format '{raw.response_format.type}' is not supported: this gateway does "
+                              "not constrain output to JSON (only 'text')", "response_format.type",
+                              "unsupported_value")
     temperature = _ranged(raw.temperature, "temperature", 0.0, 2.0, 1.0)
     top_p = _ranged(raw.top_p, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:

@@ -46,6 +46,12 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "stream": "yes"}, "stream", ["bool"]),
     ({"model": MODEL, "messages": MSGS, "stop": ["a", "b", "c", "d", "e"]}, "stop", ["at most 4"]),
     ({"model": MODEL, "messages": MSGS, "tools": [{"type": "function"}]}, "tools", ["not supported"]),
+    ({"model": MODEL, "messages": MSGS, "functions": [{"name": "f"}]}, "functions", ["not supported"]),
+    ({"model": MODEL, "messages": MSGS, "logit_bias": {"50256": -100}}, "logit_bias", ["not supported"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}}, "response_format.type",
+     ["json_object", "not supported"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"kind": "text"}}, "response_format.type",
+     ["missing"]),
 ])
 async def test_invalid_chat_bodies(stack: Stack, body: dict, param: str, words: list[str]) -> None:
     status, resp, _ = await call(stack, CHAT, json_body=body)
