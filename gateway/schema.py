@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -18,6 +18,10 @@ from slogate.protocol import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""Every integer a body carries: what a worker can be sent (the protocol encodes 64-bit
+integers), refused here with the field's name rather than failing on the way to Redis."""
 
 
 class ContentPart(msgspec.Struct):
@@ -39,22 +43,22 @@ class StreamOptions(msgspec.Struct):
 
 class _Common(msgspec.Struct):
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: Int64 | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_tokens: int | None = None
+    top_k: Int64 | None = None
+    min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    logprobs: bool | int | None = None
+    stop_token_ids: list[Int64] | None = None
+    logprobs: bool | Int64 | None = None
     tools: list[Any] | None = None
     logit_bias: dict[str, float] | None = None
 
@@ -65,7 +69,7 @@ class ResponseFormat(msgspec.Struct):
 
 class ChatBody(_Common):
     messages: list[Message] = msgspec.field(default_factory=list)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     response_format: ResponseFormat | None = None
     functions: list[Any] | None = None
     """The deprecated form of ``tools``."""
@@ -75,6 +79,7 @@ class CompletionBody(_Common):
     prompt: str | list[Any] | None = None
     echo: bool | None = None
     suffix: str | None = None
+    best_of: Int64 | None = None
 
 
 @dataclass
@@ -228,6 +233,9 @@ def _prompt(raw: CompletionBody) -> str:
         raise bad_request("echo is not supported by this gateway", "echo", "unsupported_value")
     if raw.suffix:
         raise bad_request("suffix is not supported by this gateway", "suffix", "unsupported_value")
+    if raw.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported; send one request per completion", "best_of",
+                          "unsupported_value")
     prompt = raw.prompt
     if prompt is None:
         raise bad_request("missing required field 'prompt'", "prompt", "missing_required_parameter")

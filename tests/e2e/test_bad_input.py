@@ -52,6 +52,9 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
      ["json_object", "not supported"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"kind": "text"}}, "response_format.type",
      ["missing"]),
+    ({"model": MODEL, "messages": MSGS, "seed": 2**70}, "seed", ["9223372036854775807"]),
+    ({"model": MODEL, "messages": MSGS, "top_k": 2**64}, "top_k", ["9223372036854775807"]),
+    ({"model": MODEL, "messages": MSGS, "stop_token_ids": [1, -(2**64)]}, "stop_token_ids[1]", [">="]),
 ])
 async def test_invalid_chat_bodies(stack: Stack, body: dict, param: str, words: list[str]) -> None:
     status, resp, _ = await call(stack, CHAT, json_body=body)
@@ -60,10 +63,13 @@ async def test_invalid_chat_bodies(stack: Stack, body: dict, param: str, words: 
     assert_error(resp, param, *words)
 
 
-async def test_completions_missing_prompt(stack: Stack) -> None:
+async def test_completions_missing_prompt_or_best_of_above_one(stack: Stack) -> None:
     status, resp, _ = await call(stack, "/v1/completions", json_body={"model": MODEL})
     assert status == 400
     assert_error(resp, "prompt", "prompt")
+    status, resp, _ = await call(stack, "/v1/completions", json_body={"model": MODEL, "prompt": "hi", "best_of": 3})
+    assert status == 400
+    assert_error(resp, "best_of", "best_of=1")
 
 
 async def test_malformed_json(stack: Stack) -> None:
@@ -77,7 +83,8 @@ async def test_malformed_json(stack: Stack) -> None:
 
 
 async def test_broken_utf8(stack: Stack) -> None:
-    status, resp, _ = await call(stack, CHAT, data=b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}')
+    body = b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    status, resp, _ = await call(stack, CHAT, data=body)
     assert status == 400
     assert_error(resp, None, "UTF-8")
 
