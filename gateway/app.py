@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import completions
@@ -203,9 +204,25 @@ def _resources(cfg: Config):
     return ctx
 
 
+class MalformedHttpAtInfo(logging.Filter):
+    """aiohttp logs a request it cannot parse (a duplicate Content-Type, an oversized header
+    line: the client's mistake, already answered with a 400) as an error with a traceback. The
+    error log is for the gateway's own failures, so these become one line at info."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args = "refused a malformed HTTP request (%d): %.200s", (exc.code, exc.message.strip())
+        record.exc_info = record.exc_text = None
+        return logging.getLogger().isEnabledFor(logging.INFO)
+
+
 async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish."""
     tracing.setup("slogate-gateway")
+    logging.getLogger("aiohttp.server").addFilter(MalformedHttpAtInfo())
     app = make_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
