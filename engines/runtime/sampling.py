@@ -16,13 +16,26 @@ from slogate.protocol import SamplingParams
 _GREEDY_BELOW = 1e-5
 
 
+_MASK64 = 2**64 - 1
+
+
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
     """A generator for a seeded request; unseeded requests draw from torch's global one."""
     if params.seed is None:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed)
+    generator.manual_seed(spread_seed(params.seed))
     return generator
+
+
+def spread_seed(seed: int) -> int:
+    """A request's seed (any 64-bit integer) as torch is given it. Torch's CPU generator keeps
+    only the low 32 bits of a seed, so seeds that differ only above them (0 and 2**32) would
+    sample alike; one splitmix64 step first makes every bit count."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def is_greedy(params: SamplingParams) -> bool:

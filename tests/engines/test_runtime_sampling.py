@@ -147,3 +147,13 @@ def test_top_k_with_top_p_renormalizes_before_the_nucleus():
     drawn = {sample(x, [params], [gen], [[]])[0] for _ in range(300)}
     # over the top 2 renormalized (0.57, 0.43) the 0.5 nucleus is the first token alone
     assert drawn == {0}
+
+
+def test_every_bit_of_a_seed_counts() -> None:
+    """Torch's CPU generator alone keeps a seed's low 32 bits: 0 and 2**32 would draw alike."""
+    def draws(seed: int) -> list[float]:
+        return torch.rand(8, generator=make_generator(SamplingParams(seed=seed), "cpu")).tolist()
+
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63 - 1, -1, -(2**63)]
+    assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
+    assert draws(2**32) == draws(2**32)
