@@ -10,6 +10,7 @@ from typing import Any
 
 from slogate import logs
 from slogate.config import Config, ConfigError, load_config
+from slogate.up import CANNOT_START
 
 
 def engine_options(pairs: list[str]) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
+    from engines.engine_process import EngineDied
     from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
     from engines.worker import run_worker
     from slogate.cpus import pin_to
@@ -62,7 +64,11 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
         engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format)
     else:
         engine = create_engine(engine_name, model, options, threads=threads)
-    _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
+    try:
+        _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
+    except EngineDied as exc:
+        print(f"slogate: {exc}; the requests this worker held stay pending for other workers", file=sys.stderr)
+        sys.exit(1)
 
 
 def cmd_tiny_model(args: argparse.Namespace, cfg: Config) -> None:
@@ -168,10 +174,10 @@ def main(argv: list[str] | None = None) -> None:
         args.func(args, cfg)
     except ConfigError as exc:
         print(f"slogate: configuration error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CANNOT_START)
     except (ValueError, RuntimeError) as exc:
         print(f"slogate: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(CANNOT_START)
 
 
 if __name__ == "__main__":

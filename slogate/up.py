@@ -2,7 +2,8 @@
 
 Each part runs as its own process, exactly as it would in a fleet (so what works here works
 with replicas), and the supervisor stops them all on Ctrl-C or SIGTERM. A worker that exits
-on its own is restarted; its requests stay pending in Redis meanwhile.
+on its own is restarted; its requests stay pending in Redis meanwhile. One that cannot start
+as configured (a model that does not load) stops the stack: a restart would fail the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from slogate.local_redis import LocalRedis
 
 log = logging.getLogger("slogate.up")
 REAL_ENGINES = {"stream", "paged"}
+CANNOT_START = 2
+"""The exit code of a ``slogate`` command that could not start as configured."""
 
 
 def _tiny_model(state_dir: Path) -> str:
@@ -111,6 +114,10 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
                 if i == 0:
                     log.error("the gateway exited with code %s; stopping", proc.returncode)
                     stopping, code = True, 1
+                    break
+                if proc.returncode == CANNOT_START:
+                    log.error("a worker could not start as configured (its reason is above); stopping")
+                    stopping, code = True, CANNOT_START
                     break
                 log.warning("worker exited with code %s; restarting it", proc.returncode)
                 time.sleep(1.0)

@@ -83,10 +83,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedModel:
-    """Load from a local directory, or from a hub id when the path does not exist."""
+    """Load from a local directory, or from a hub id when no such directory exists. A path
+    (``/``, ``./``, ``../``) that does not exist is an error naming it, not a hub lookup."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     path = Path(model)
+    if not path.exists() and model.startswith(("/", "./", "../")):
+        raise ValueError(f"model directory '{model}' does not exist")
     model_id = path.name if path.is_dir() else model
     tokenizer = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(dev).eval()

@@ -27,18 +27,26 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
-    port = free_port()
+def up_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOGATE_")}
     env.update(SLOGATE_STATE_DIR=str(tmp_path / "state"), SLOGATE_LOG_LEVEL="WARNING", PYTHONPATH=python_path())
+    return env
+
+
+def wait_ready(up: subprocess.Popen[bytes], port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while http_get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
+        assert up.poll() is None, "slogate up exited early"
+        assert time.monotonic() < deadline, "stack not ready in time"
+        time.sleep(0.1)
+
+
+def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--engine", "sim", "--port", str(port),
-                           "-o", "decode_base_s=0.001"], env=env, cwd=tmp_path)
+                           "-o", "decode_base_s=0.001"], env=up_env(tmp_path), cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 60
-        while http_get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
-            assert up.poll() is None, "slogate up exited early"
-            assert time.monotonic() < deadline, "stack not ready in time"
-            time.sleep(0.1)
+        wait_ready(up, port, 60)
         status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
         kids = children(up.pid)
@@ -51,3 +59,47 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
+    """A model that does not load would fail every restart the same way: the stack stops, says
+    why, and exits 2."""
+    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--model", "/nonexistent/model",
+                           "--port", str(free_port())], env=up_env(tmp_path), cwd=tmp_path,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = up.communicate(timeout=180)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 2
+    assert "model directory '/nonexistent/model' does not exist" in err
+    assert "could not start as configured" in err
+
+
+def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_model_dir: Path) -> None:
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--model", str(tiny_model_dir),
+                           "--port", str(port)], env=up_env(tmp_path), cwd=tmp_path,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        wait_ready(up, port, 240)
+        workers = [pid for pid in children(up.pid) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        engine = next(pid for pid in children(workers[0]) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while alive(workers[0]):
+            assert time.monotonic() < deadline, "the worker outlived its engine"
+            time.sleep(0.1)
+        time.sleep(1.5)
+        wait_ready(up, port, 240)
+        status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
+        assert status == 200 and sorted(json.loads(body)["data"][0]["pools"]) == ["batch", "interactive"]
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0
+    assert "the engine process exited with code -9" in err
+    assert "worker exited with code 1; restarting it" in err

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from engines.runtime.loader import load_model
@@ -57,3 +58,8 @@ def test_encode_gives_the_ids_transformers_gives(tiny_model_dir: Path):
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
         expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert loaded.encode(None, messages) == list(expected), text
+
+
+def test_a_missing_model_directory_is_named_not_taken_for_a_hub_id():
+    with pytest.raises(ValueError, match="model directory '/nonexistent/model' does not exist"):
+        load_model("/nonexistent/model")
