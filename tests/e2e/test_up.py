@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from slogate.local_redis import free_port
@@ -33,7 +35,19 @@ def up_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def wait_ready(up: subprocess.Popen[bytes], port: int, timeout: float) -> None:
+@contextlib.contextmanager
+def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``slogate up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
+    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", *args], env=up_env(tmp_path), cwd=tmp_path,
+                          stderr=stderr, text=True)
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def wait_ready(up: subprocess.Popen[str], port: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while http_get(f"http://127.0.0.1:{port}/readyz")[0] != 200:
         assert up.poll() is None, "slogate up exited early"
@@ -43,9 +57,7 @@ def wait_ready(up: subprocess.Popen[bytes], port: int, timeout: float) -> None:
 
 def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--engine", "sim", "--port", str(port),
-                           "-o", "decode_base_s=0.001"], env=up_env(tmp_path), cwd=tmp_path)
-    try:
+    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port), "-o", "decode_base_s=0.001") as up:
         wait_ready(up, port, 60)
         status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
@@ -56,22 +68,14 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert up.wait(timeout=60) == 0
         assert not any(alive(pid) for pid in kids), "every process of the stack is gone"
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 0
-    finally:
-        if up.poll() is None:
-            up.kill()
 
 
 def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
     """A model that does not load would fail every restart the same way: the stack stops, says
     why, and exits 2."""
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--model", "/nonexistent/model",
-                           "--port", str(free_port())], env=up_env(tmp_path), cwd=tmp_path,
-                          stderr=subprocess.PIPE, text=True)
-    try:
+    with slogate_up(tmp_path, "--model", "/nonexistent/model", "--port", str(free_port()),
+                    stderr=subprocess.PIPE) as up:
         _, err = up.communicate(timeout=180)
-    finally:
-        if up.poll() is None:
-            up.kill()
     assert up.returncode == 2
     assert "model directory '/nonexistent/model' does not exist" in err
     assert "could not start as configured" in err
@@ -79,10 +83,7 @@ def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
 
 def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_model_dir: Path) -> None:
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--model", str(tiny_model_dir),
-                           "--port", str(port)], env=up_env(tmp_path), cwd=tmp_path,
-                          stderr=subprocess.PIPE, text=True)
-    try:
+    with slogate_up(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), stderr=subprocess.PIPE) as up:
         wait_ready(up, port, 240)
         workers = [pid for pid in children(up.pid) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         engine = next(pid for pid in children(workers[0]) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
@@ -97,9 +98,6 @@ def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_mod
         assert status == 200 and sorted(json.loads(body)["data"][0]["pools"]) == ["batch", "interactive"]
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
     assert up.returncode == 0
     assert "the engine process exited with code -9" in err
     assert "worker exited with code 1; restarting it" in err
