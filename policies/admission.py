@@ -5,9 +5,10 @@ feedback factor, fits its objective. Put the other way round (the concurrency bo
 service time must fit the budget, and the queue wait predicted from the backlog ahead must fit
 what the service time leaves. That form names why a request was shed: it can never fit
 ("exceeds-objective", retrying will not help) or the pool is busy now ("overloaded", retry after
-the backlog drains). When no slot is free, only requests that hold one no longer than a small
-multiple of the pool's mean may queue: under overload, slot time goes where it makes the most
-on-time answers. Interactive admission never looks at batch demand, so batch can never push
+the backlog drains; or after the request that one more prompt would make late is done, see
+:mod:`policies.prompt_book`). When no slot is free, only requests that hold one no longer than
+a small multiple of the pool's mean may queue: under overload, slot time goes where it makes the
+most on-time answers. Interactive admission never looks at batch demand, so batch can never push
 interactive work out; batch is held back ("wait") while interactive load is high on pools the two
 share, and shed only when its bounded queue is full or its deadline cannot be met.
 """
@@ -22,6 +23,7 @@ from policies.circuit import CircuitBreaker
 from policies.config import PolicyConfig
 from policies.feedback import LatencyFeedback
 from policies.predict import PoolEstimate, PoolSignals, Prediction
+from policies.prompt_book import PromptBook
 from policies.routing import Route, pick
 
 Outcome = Literal["admit", "wait", "shed", "unavailable", "expired"]
@@ -67,6 +69,7 @@ class AdmissionController:
         self.breakers: dict[str, CircuitBreaker] = {}
         self.feedback = LatencyFeedback(cfg.admission.feedback)
         self._last_heard: dict[str, float] = {}
+        self.prompts: dict[str, PromptBook] = {}
         routing = cfg.routing
         interactive_may_use = set(routing.pools["interactive"]) | set(routing.interactive_spill)
         self._shared = set(routing.pools["batch"]) & interactive_may_use
@@ -103,27 +106,43 @@ class AdmissionController:
         usable = {p: s for p, s in signals.items() if self.breaker(p).ready(now)}
         if cls == "interactive":
             budget = self.budget(stream)
-            route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg, now)
-            return self._unavailable(own, signals, now) if route is None else self._interactive(route, budget, now)
+            route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg, now,
+                         self.prompts)
+            if route is None:
+                return self._unavailable(own, signals, now)
+            return self._interactive(route, budget, stream, now)
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline)
 
-    def _interactive(self, route: Route, budget: float, now: float) -> Decision:
+    def prompt_book(self, pool: str) -> PromptBook:
+        book = self.prompts.get(pool)
+        if book is None:
+            book = self.prompts[pool] = PromptBook()
+        return book
+
+    def _interactive(self, route: Route, budget: float, stream: bool, now: float) -> Decision:
         pred = route.prediction
         wait_budget = budget - pred.service_s
         if pred.queue_wait_s > 0 and not self._may_queue(route.pool, pred):
             wait_budget = 0.0
-        if wait_budget < 0 or pred.queue_wait_s > wait_budget:
-            if self._probe_due(route.pool, now):
-                self.breaker(route.pool).acquire(now)
-                return Decision("admit", "probe", 200, 0.0, pred.total_s, route.pool, route.worker,
-                                now + pred.queue_wait_s + pred.hold_s)
-            if wait_budget < 0:
-                return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
-            retry = self._clamp_retry(pred.queue_wait_s - wait_budget)
-            return Decision("shed", "overloaded", 429, retry, pred.total_s, route.pool, route.worker)
+        room, room_at = self.prompt_book(route.pool).room(now)
+        if wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
+            decision = self._admit("spill" if route.spilled else "fits", route, now)
+            until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
+            self.prompt_book(route.pool).promise(budget - pred.total_s, until)
+            return decision
+        if self._probe_due(route.pool, now):
+            return self._admit("probe", route, now)
+        if wait_budget < 0:
+            return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
+        late = pred.wait_s - wait_budget if pred.wait_s > wait_budget else room_at - now
+        return Decision("shed", "overloaded", 429, self._clamp_retry(late), pred.total_s, route.pool, route.worker)
+
+    def _admit(self, reason: str, route: Route, now: float) -> Decision:
+        pred = route.prediction
         self.breaker(route.pool).acquire(now)
-        return Decision("admit", "spill" if route.spilled else "fits", 200, 0.0, pred.total_s, route.pool,
-                        route.worker, now + pred.queue_wait_s + pred.hold_s)
+        self.prompt_book(route.pool).book(pred.prompt_share_s, now)
+        return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
+                        now + pred.wait_s + pred.hold_s)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
@@ -135,7 +154,7 @@ class AdmissionController:
         busy_until = None
         if route is not None:
             pool, worker, predicted = route.pool, route.worker, route.prediction.total_s
-            busy_until = now + route.prediction.queue_wait_s + route.prediction.hold_s
+            busy_until = now + route.prediction.wait_s + route.prediction.hold_s
         else:
             # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
             queueable = next((p for p in own if p in usable or p not in signals), None)
@@ -154,6 +173,8 @@ class AdmissionController:
         if pool in self._shared and self._interactive_load(signals) >= target.hold_load:
             return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
         self.breaker(pool).acquire(now)
+        if route is not None:
+            self.prompt_book(pool).book(route.prediction.prompt_share_s, now)
         return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until)
 
     def _may_queue(self, pool: str, pred: Prediction) -> bool:

@@ -4,8 +4,13 @@ The model is deliberately small: a pool is ``sum(capacity)`` slots of continuous
 holding the requests in flight there. A request beyond the slots waits until one frees for it,
 which the gateway reads off when its own requests in flight should end (other gateways' free
 theirs at the pool's mean pace); then it pays prefill for its prompt and one decode step per
-token up to the point the objective measures (first token when streamed, last token otherwise). Each term is a number the gateway can see or learn, which is
-what lets a wrong prediction be traced.
+token up to the point the objective measures (first token when streamed, last token otherwise).
+Each term is a number the gateway can see or learn, which is what lets a wrong prediction be
+traced.
+
+Slots alone say a continuous batch is free up to its size, and it is not: the prompts admitted
+before a request are a wait of their own (``prompts_ahead_s``, from
+:class:`policies.prompt_book.PromptBook`).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class PoolEstimate:
 @dataclass(frozen=True, slots=True)
 class Prediction:
     queue_wait_s: float
+    """Until a slot is free."""
     service_s: float
     """Prefill plus decode up to the token the objective measures."""
     hold_s: float
@@ -118,10 +124,21 @@ class Prediction:
     """How long the pool's requests keep a slot on average."""
     ahead: int
     """Requests before this one still waiting for a slot."""
+    prompts_ahead_s: float = 0.0
+    """Until the prompts admitted before this one are prefilled."""
+    prompt_share_s: float = 0.0
+    """What this request's prompt adds to ``prompts_ahead_s`` of the requests after it: its
+    prefill spread over the pool's workers."""
+
+    @property
+    def wait_s(self) -> float:
+        """Slot and prompts ahead overlap (prompts queued for a slot are prefilled while it
+        frees), so the longer of the two."""
+        return max(self.queue_wait_s, self.prompts_ahead_s)
 
     @property
     def total_s(self) -> float:
-        return self.queue_wait_s + self.service_s
+        return self.wait_s + self.service_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +146,7 @@ class PoolLoad:
     """A pool's workers able to serve one request, summed in one pass (this is the hot loop)."""
 
     capacity: int
+    workers: int
     prefill_s_per_token: float
     decode_s_per_token: float
     """Capacity-weighted heartbeat costs; 0 when no worker reported a step yet."""
@@ -139,7 +157,7 @@ class PoolLoad:
 def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est: PoolEstimate) -> PoolLoad:
     """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
     max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
-    capacity = 0
+    capacity = count = 0
     cap_timed = prefill = decode = 0.0
     hint, best = None, 0.0
     prompt, completion = est.prompt_tokens, est.completion_tokens
@@ -157,6 +175,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
         if idle < 0:
             idle = 0
         capacity += cap
+        count += 1
         step = w.decode_step_s
         if step > 0:
             cap_timed += cap
@@ -170,14 +189,17 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
             hint, best = w.worker_id, score
     if cap_timed:
         prefill, decode = prefill / cap_timed, decode / cap_timed
-    return PoolLoad(capacity, prefill, decode, hint)
+    return PoolLoad(capacity, count, prefill, decode, hint)
 
 
 def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
     """``(prefill_s_per_token, decode_s_per_token)`` for a pool: learned once there are enough
-    samples, else the workers' heartbeat figures, else the prior-seeded estimate."""
+    samples, else the workers' heartbeat figures, else the prior-seeded estimate. Prefill is
+    never taken below what the workers measure: the learned figure is what is left of the first
+    token once a decode step is taken off, and when other prompts share and slow that step
+    (bursts) nothing is left, which would make every prompt look free."""
     if est.samples >= cfg.min_samples or not load.decode_s_per_token:
-        return est.prefill_s_per_token, est.decode_s_per_token
+        return max(est.prefill_s_per_token, load.prefill_s_per_token), est.decode_s_per_token
     return load.prefill_s_per_token or est.prefill_s_per_token, load.decode_s_per_token
 
 
@@ -207,9 +229,10 @@ def slot_wait(in_flight: int, capacity: int, own_ends: Collection[float], now: f
 
 
 def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, prompt_tokens: int,
-            max_tokens: int, stream: bool, own_ends: Collection[float] = (), now: float = 0.0) -> Prediction | None:
+            max_tokens: int, stream: bool, own_ends: Collection[float] = (), now: float = 0.0,
+            prompts_ahead_s: float = 0.0) -> Prediction | None:
     """None when no worker can serve the request, since then no number means anything.
-    Non-decreasing in ``in_flight``."""
+    Non-decreasing in ``in_flight`` and in ``prompts_ahead_s``."""
     if load.capacity <= 0:
         return None
     prefill, decode = costs(load, est, cfg)
@@ -217,4 +240,5 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, decode)
     return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream),
                       service_time(prefill, decode, prompt_tokens, max_tokens, False), mean_service,
-                      max(in_flight - load.capacity, 0))
+                      max(in_flight - load.capacity, 0), prompts_ahead_s,
+                      prefill * prompt_tokens / load.workers)

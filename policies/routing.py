@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from policies.config import PolicyConfig
 from policies.predict import PoolEstimate, PoolSignals, Prediction, aggregate, predict
+from policies.prompt_book import PromptBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +26,8 @@ class Route:
 
 def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
           estimate: Callable[[str], PoolEstimate], cfg: PolicyConfig, model: str | None,
-          prompt_tokens: int, max_tokens: int, stream: bool, now: float) -> Route | None:
+          prompt_tokens: int, max_tokens: int, stream: bool, now: float,
+          prompts: Mapping[str, PromptBook]) -> Route | None:
     best: Route | None = None
     for pool in pools:
         sig = signals.get(pool)
@@ -34,7 +36,7 @@ def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
         est = estimate(pool)
         load = aggregate(sig.workers, model, prompt_tokens + max_tokens, est)
         pred = predict(sig.in_flight, load, est, cfg.admission.estimator, prompt_tokens, max_tokens, stream,
-                       sig.own_ends, now)
+                       sig.own_ends, now, prompts[pool].ahead(now) if pool in prompts else 0.0)
         if pred is not None and (best is None or pred.total_s < best.prediction.total_s):
             best = Route(pool, load.hint, pred)
     return best
@@ -42,16 +44,19 @@ def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
 
 def pick(cls: str, stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
          signals: Mapping[str, PoolSignals], estimate: Callable[[str], PoolEstimate],
-         budget_s: float | None, cfg: PolicyConfig, now: float = 0.0) -> Route | None:
+         budget_s: float | None, cfg: PolicyConfig, now: float = 0.0,
+         prompts: Mapping[str, PromptBook] | None = None) -> Route | None:
     """The route with the least predicted latency among ``cls``'s own pools, or a spill pool
     for interactive work when only that one fits ``budget_s``. None when no pool in
     ``signals`` (the caller leaves out pools whose circuit is open) has a worker for it.
-    ``now`` is the clock the signals' slot end times are on."""
-    own = _best(cfg.routing.pools[cls], signals, estimate, cfg, model, prompt_tokens, max_tokens, stream, now)
+    ``now`` is the clock the signals' slot end times and the pools' ``prompts`` are on."""
+    books = prompts or {}
+    own = _best(cfg.routing.pools[cls], signals, estimate, cfg, model, prompt_tokens, max_tokens, stream, now,
+                books)
     if cls != "interactive" or budget_s is None or (own is not None and own.prediction.total_s <= budget_s):
         return own
     spill = _best(cfg.routing.interactive_spill, signals, estimate, cfg, model, prompt_tokens, max_tokens, stream,
-                  now)
+                  now, books)
     if spill is not None and spill.prediction.total_s <= budget_s:
         return Route(spill.pool, spill.worker, spill.prediction, spilled=True)
     return own

@@ -70,11 +70,11 @@ def test_streamed_requests_are_judged_on_the_first_token() -> None:
 
 
 def test_interactive_decisions_do_not_depend_on_batch_demand() -> None:
-    ctl = AdmissionController(CFG)
+    calm, busy = AdmissionController(CFG), AdmissionController(CFG)
     outcomes = set()
     for i_depth in (0, 3, 10, 40):
-        quiet = ask(ctl, signals(i_depth=i_depth, i_running=6, b_depth=0, b_running=0))
-        flooded = ask(ctl, signals(i_depth=i_depth, i_running=6, b_depth=999, b_running=64, b_waiting=500))
+        quiet = ask(calm, signals(i_depth=i_depth, i_running=6, b_depth=0, b_running=0))
+        flooded = ask(busy, signals(i_depth=i_depth, i_running=6, b_depth=999, b_running=64, b_waiting=500))
         assert quiet.pool == "interactive"
         assert (flooded.outcome, flooded.pool, flooded.predicted_s) == (quiet.outcome, quiet.pool, quiet.predicted_s)
         outcomes.add(quiet.outcome)
@@ -172,12 +172,13 @@ def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
     report(ctl, e2e_s=0.3, n=CFG.admission.feedback.samples)
     assert ctl.feedback.factor == pytest.approx(1.25)
     assert ctl.budget(False) == pytest.approx(BUDGET / 1.25)
-    assert not ask(ctl, sig, max_tokens=11).admitted
-    assert ask(ctl, sig, max_tokens=8).admitted
+    # Each asks after the one admitted before it should be done (its prompt no longer in the way).
+    assert not ask(ctl, sig, max_tokens=11, now=0.13).admitted
+    assert ask(ctl, sig, max_tokens=8, now=0.14).admitted
     for _ in range(10):
         report(ctl, e2e_s=0.05, n=CFG.admission.feedback.samples)
     assert ctl.feedback.factor < 0.8
-    assert ask(ctl, sig, max_tokens=12).admitted
+    assert ask(ctl, sig, max_tokens=12, now=0.24).admitted
 
 
 def test_batch_latencies_do_not_move_the_interactive_loop() -> None:
@@ -266,3 +267,20 @@ def test_long_holders_take_free_slots_but_do_not_queue() -> None:
     unlimited = AdmissionController(load({"admission": {"queue_hold_factor": 0}}))
     teach(unlimited)
     assert ask(unlimited, signals(i_running=8, i_depth=1), **long_stream).admitted
+
+
+def test_a_burst_on_free_slots_is_admitted_only_as_far_as_its_prompts_fit() -> None:
+    # 16 free slots, 10 ms a prompt (100 tokens at 0.1 ms) spread over two workers, 80 ms of decode.
+    ctl = AdmissionController(CFG)
+    sig = signals(i_running=0)
+    burst = [ask(ctl, sig, now=5.0) for _ in range(16)]
+    admitted = [d for d in burst if d.admitted]
+    assert 1 < len(admitted) < 16
+    assert [d.admitted for d in burst] == [True] * len(admitted) + [False] * (16 - len(admitted))
+    assert all(b.predicted_s > a.predicted_s for a, b in pairwise(admitted))  # each waits for the prompts before
+    assert admitted[-1].predicted_s <= BUDGET
+    shed = burst[len(admitted)]
+    assert (shed.outcome, shed.reason) == ("shed", "overloaded")
+    assert shed.retry_after_s >= CFG.admission.min_retry_after_s
+    # Once the burst should be done, its prompts and promises no longer hold the pool.
+    assert ask(ctl, sig, now=5.0 + admitted[-1].predicted_s + 0.001).admitted
