@@ -90,7 +90,10 @@ async def one_request(session: aiohttp.ClientSession, url: str, row: dict[str, A
                   bool(body.get("stream")))
 
 
-async def closed_loop(url: str, workload: Workload, concurrency: int, duration: float) -> list[Sample]:
+async def closed_loop(url: str, workload: Workload, concurrency: int, duration: float,
+                      think: Callable[[], float] | None = None) -> list[Sample]:
+    """``concurrency`` clients, each sending its next request ``think()`` seconds (default 0)
+    after its last answer, whatever the answer was."""
     samples: list[Sample] = []
     rows = iter(workload)
     end = time.perf_counter() + duration
@@ -99,6 +102,8 @@ async def closed_loop(url: str, workload: Workload, concurrency: int, duration: 
         async def client() -> None:
             while time.perf_counter() < end:
                 samples.append(await one_request(s, url, next(rows)))
+                if think is not None:
+                    await asyncio.sleep(think())
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     return samples

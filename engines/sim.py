@@ -81,7 +81,6 @@ class SimEngine:
     _waiting: deque[_Seq] = field(default_factory=deque)
     _running: list[_Seq] = field(default_factory=list)
     _errors: list[StepOutput] = field(default_factory=list)
-    _last_step_s: float = 0.0
 
     @property
     def max_context(self) -> int:
@@ -125,7 +124,6 @@ class SimEngine:
         cost += t.decode_base_s + t.decode_s_per_seq * len(self._running)
         if cost > 0:
             time.sleep(cost)
-        self._last_step_s = cost
         now = time.time()
         still = []
         for seq in self._running:
@@ -163,8 +161,8 @@ class SimEngine:
         t = self.timing
         return EngineLoad(
             running=len(self._running), waiting=len(self._waiting), capacity=t.max_batch,
-            prefill_s_per_token=t.prefill_s_per_token, decode_step_s=self._last_step_s
-            or t.decode_base_s + t.decode_s_per_seq)
+            prefill_s_per_token=t.prefill_s_per_token,
+            decode_step_s=t.decode_base_s + t.decode_s_per_seq * max(len(self._running), 1))
 
 
 def create(model: str | None = None, **options: Any) -> SimEngine:

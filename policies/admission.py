@@ -124,7 +124,7 @@ class AdmissionController:
         wait_budget = budget - pred.service_s
         if pred.queue_wait_s > 0 and not self._may_queue(route.pool, pred):
             wait_budget = 0.0
-        room, room_at = self.prompt_book(route.pool).room(now)
+        room, room_at = self.prompt_book(route.pool).room(now, pred.priced_share)
         if wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
             decision = self._admit("spill" if route.spilled else "fits", route, now)
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
@@ -140,7 +140,7 @@ class AdmissionController:
     def _admit(self, reason: str, route: Route, now: float) -> Decision:
         pred = route.prediction
         self.breaker(route.pool).acquire(now)
-        self.prompt_book(route.pool).book(pred.prompt_share_s, now)
+        self.prompt_book(route.pool).book(pred.prompt_share_s, now, pred.priced_share)
         return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
                         now + pred.wait_s + pred.hold_s)
 
@@ -174,7 +174,7 @@ class AdmissionController:
             return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
         self.breaker(pool).acquire(now)
         if route is not None:
-            self.prompt_book(pool).book(route.prediction.prompt_share_s, now)
+            self.prompt_book(pool).book(route.prediction.prompt_share_s, now, route.prediction.priced_share)
         return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until)
 
     def _may_queue(self, pool: str, pred: Prediction) -> bool:

@@ -23,6 +23,10 @@ from typing import Protocol
 
 from policies.config import Estimator
 
+MAX_PRICED_SHARE = 0.9
+"""A learned decode cost ten times the workers' own step says more about the host than about
+prompts; crediting more than this would let prompts through on a slowdown nobody measured."""
+
 
 class ModelLike(Protocol):
     @property
@@ -129,6 +133,9 @@ class Prediction:
     prompt_share_s: float = 0.0
     """What this request's prompt adds to ``prompts_ahead_s`` of the requests after it: its
     prefill spread over the pool's workers."""
+    priced_share: float = 0.0
+    """The share of the workers' time that the learned decode cost already gives to other
+    requests' prompts: 1 - (the workers' own decode step / the learned cost per token)."""
 
     @property
     def wait_s(self) -> float:
@@ -238,7 +245,8 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     prefill, decode = costs(load, est, cfg)
     mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
     wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, decode)
+    priced = 1.0 - load.decode_s_per_token / decode if load.decode_s_per_token and decode else 0.0
     return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream),
                       service_time(prefill, decode, prompt_tokens, max_tokens, False), mean_service,
                       max(in_flight - load.capacity, 0), prompts_ahead_s,
-                      prefill * prompt_tokens / load.workers)
+                      prefill * prompt_tokens / load.workers, min(max(priced, 0.0), MAX_PRICED_SHARE))

@@ -11,10 +11,12 @@ The book answers both. ``done_at`` is when the prompts booked so far should be p
 drained in real time: the wait of the next prompt. Each admitted interactive request leaves a
 promise: the slack its prediction had within the budget, until the request should be done (its
 first token when streamed, its last otherwise). A prompt is booked only if every live promise
-has room for it. Costs are learned from requests that ran while prompts kept arriving, so they
-already include the slowdown of prompts arriving at the recent rate; only prompts beyond that
-rate (a burst) use up slack. Without that credit every prompt would be counted twice, and
-steady load would be shed for a slowdown already priced in.
+has room for it. Costs are learned from requests that ran while prompts kept arriving, so the
+learned decode cost already includes a slowdown: the share of the workers' time it gives to
+prompts, beyond the decode step the workers measure. Prompts up to that share are priced in;
+only those beyond it (a burst, or a rate the costs have not caught up with) use up slack.
+Without that credit every prompt would be counted twice, and steady load would be shed for a
+slowdown already priced in. The credit never runs ahead of the prompts actually booked.
 
 Each gateway books the prompts it admits; other gateways' reach it only through learned costs.
 """
@@ -22,12 +24,7 @@ Each gateway books the prompts it admits; other gateways' reach it only through 
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
-
-RATE_WINDOW_S = 1.0
-"""The recent booking rate is an exponential average over about this long: near the time a
-request's slowdown takes to show in the learned costs (its own run plus a few dozen samples)."""
 
 
 @dataclass
@@ -37,46 +34,47 @@ class PromptBook:
     booked_s: float = 0.0
     """Prefill seconds booked since the book opened; never decreases."""
     expected_s: float = 0.0
-    """Prefill seconds the learned costs already allow for since the book opened: the recent
-    booking rate, integrated. Costs learned while prompts kept arriving at a rate include the
-    slowdown that rate causes; only prompts beyond it use up a promise's slack."""
-    _rate_acc: float = 0.0
+    """Prefill seconds the learned costs already allow for since the book opened: the priced
+    share of the workers' time, integrated over time."""
     _last: float = 0.0
     _promises: list[tuple[float, float]] = field(default_factory=list)
-    """Min-heap of ``(slack at admission + booked_s - expected_s then, until)``: a promise
-    has room left for ``key - (booked_s - expected_s)`` seconds of prefill."""
+    """Min-heap of promises as ``(slack + excess then, until - excess then)``, where excess is
+    ``booked_s - expected_s``: a promise has room for ``slack - excess since``, and holds until
+    ``until + excess since``, since every prompt it made room for delays its request's end."""
 
-    def _advance(self, now: float) -> None:
-        dt = now - self._last
-        if dt <= 0:
-            return
-        rate = self._rate_acc / RATE_WINDOW_S
-        self.expected_s += rate * dt
-        self._rate_acc *= math.exp(-dt / RATE_WINDOW_S)
-        self._last = now
+    def _advance(self, now: float, priced_share: float) -> None:
+        if now > self._last:
+            self.expected_s = min(self.expected_s + priced_share * (now - self._last), self.booked_s)
+            self._last = now
 
     def ahead(self, now: float) -> float:
         """How long a prompt admitted now waits for the prompts booked before it."""
         return max(self.done_at - now, 0.0)
 
-    def book(self, share_s: float, now: float) -> None:
-        self._advance(now)
+    def book(self, share_s: float, now: float, priced_share: float = 0.0) -> None:
+        self._advance(now, priced_share)
         self.done_at = max(self.done_at, now) + share_s
         self.booked_s += share_s
-        self._rate_acc += share_s
+
+    def _excess(self) -> float:
+        return self.booked_s - self.expected_s
 
     def promise(self, slack_s: float, until: float) -> None:
-        """An admitted request can bear ``slack_s`` more seconds of other prompts until ``until``."""
-        heapq.heappush(self._promises, (max(slack_s, 0.0) + self.booked_s - self.expected_s, until))
+        """An admitted request can bear ``slack_s`` more seconds of other prompts; it should be
+        done at ``until``, later by whatever other prompts it bears."""
+        excess = self._excess()
+        heapq.heappush(self._promises, (max(slack_s, 0.0) + excess, until - excess))
 
-    def room(self, now: float) -> tuple[float, float]:
+    def room(self, now: float, priced_share: float = 0.0) -> tuple[float, float]:
         """``(seconds of prefill that may still be booked, when the tightest promise ends)``;
-        ``(inf, now)`` when no promise is live."""
-        self._advance(now)
+        ``(inf, now)`` when no promise is live. ``priced_share``: the share of the workers' time
+        that the costs behind predictions already give to prompts (``Prediction.priced_share``)."""
+        self._advance(now, priced_share)
+        excess = self._excess()
         heap = self._promises
-        while heap and heap[0][1] <= now:
+        while heap and heap[0][1] + excess <= now:
             heapq.heappop(heap)
         if not heap:
             return float("inf"), now
         key, until = heap[0]
-        return key - (self.booked_s - self.expected_s), until
+        return key - excess, until + excess

@@ -172,3 +172,16 @@ def test_prefill_follows_the_lower_envelope() -> None:
     for _ in range(EST_CFG.prefill_window):  # prefill really got slower: the estimate follows
         observe(200 * 0.0005)
     assert est.prefill_s_per_token == pytest.approx(0.0005, rel=0.05)
+
+
+def test_priced_share_is_the_learned_slowdown_over_the_workers_own_step() -> None:
+    est = PoolEstimate.prior(EST_CFG)
+    load = aggregate([hb(decode=0.01)], None, 0, est)
+    assert predict(0, load, est, EST_CFG, 100, 8, False).priced_share == 0.0  # heartbeat costs: nothing learned
+    for _ in range(EST_CFG.min_samples):
+        est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.03, e2e_s=0.23, cfg=EST_CFG)  # 20 ms a token
+    assert predict(0, load, est, EST_CFG, 100, 8, False).priced_share == pytest.approx(0.5)
+    slow_host = aggregate([hb(decode=0.001)], None, 0, est)
+    assert predict(0, slow_host, est, EST_CFG, 100, 8, False).priced_share == pytest.approx(0.9)  # capped
+    fast = aggregate([hb(decode=0.05)], None, 0, est)
+    assert predict(0, fast, est, EST_CFG, 100, 8, False).priced_share == 0.0

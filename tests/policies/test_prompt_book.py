@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from policies.prompt_book import RATE_WINDOW_S, PromptBook
+from policies.prompt_book import PromptBook
 
 
 def test_prompts_ahead_drain_in_real_time() -> None:
@@ -26,23 +26,42 @@ def test_a_burst_uses_up_a_promise_until_it_ends() -> None:
     book.book(0.01, now=10.0)
     book.book(0.01, now=10.0)
     room, until = book.room(10.0)
-    assert room == pytest.approx(0.005) and until == 10.1
+    assert room == pytest.approx(0.005)
+    assert until == pytest.approx(10.12)  # the prompts it made room for delay its end
     book.book(0.01, now=10.0)
     assert book.room(10.0)[0] < 0
-    room, until = book.room(10.1)  # the tight promise is done: the loose one is left
-    assert until == 12.0 and 0.47 < room <= 0.5
+    assert book.room(10.1)[1] > 10.1  # not done: still delayed by the burst
+    room, until = book.room(10.14)  # the tight promise is done: the loose one is left
+    assert room == pytest.approx(0.5 - 0.03) and until == pytest.approx(12.03)
 
 
-def test_prompts_at_a_steady_rate_leave_promises_their_slack() -> None:
+@pytest.mark.parametrize("priced_share", [0.0, 0.5])
+def test_only_prompts_beyond_the_priced_share_use_up_a_promise(priced_share: float) -> None:
     book = PromptBook()
     now = 0.0
-    for _ in range(round(5 * RATE_WINDOW_S / 0.01)):  # 5 ms of prefill every 10 ms
+    for _ in range(100):  # 5 ms of prefill every 10 ms: half the workers' time
         now += 0.01
-        book.book(0.005, now)
+        book.book(0.005, now, priced_share)
     book.promise(0.01, until=now + 0.2)
+    rooms = []
     for _ in range(10):
         now += 0.01
-        book.book(0.005, now)
-        assert book.room(now)[0] > 0.008  # the rate the costs were learned at is priced in
-    book.book(0.02, now)  # a burst beyond it is not
-    assert book.room(now)[0] < 0
+        book.book(0.005, now, priced_share)
+        rooms.append(book.room(now, priced_share)[0])
+    if priced_share:
+        assert min(rooms) > 0.008  # the costs were learned at this rate: it is priced in
+    else:
+        assert rooms[0] == pytest.approx(0.005) and rooms[-1] < 0  # costs learned idle: every prompt counts
+    book.book(0.02, now, priced_share)  # a burst is never priced in
+    assert book.room(now, priced_share)[0] < 0
+
+
+def test_credit_does_not_bank_while_no_prompts_come() -> None:
+    book = PromptBook()
+    book.book(0.01, now=1.0, priced_share=0.9)
+    assert book.room(3.0, priced_share=0.9)[0] == math.inf
+    book.promise(0.015, until=5.0)
+    assert book.room(3.0, priced_share=0.9)[0] == pytest.approx(0.015)  # idle for 2 s, no credit saved up
+    book.book(0.01, now=3.0, priced_share=0.9)
+    book.book(0.01, now=3.0, priced_share=0.9)
+    assert book.room(3.0, priced_share=0.9)[0] < 0
