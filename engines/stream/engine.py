@@ -106,7 +106,11 @@ class StreamEngine(PagedEngine):
         return self.scheduler.cost
 
     def load(self) -> EngineLoad:
+        """Prompt cost per token from the step cost model (what a prompt adds to a step, at a
+        typical prompt length), not a whole mixed step over its tokens, which would charge each
+        token a share of the step's fixed cost and the decodes that shared it."""
         load = super().load()
+        load.prefill_s_per_token = self.cost.prefill_s([(0, _WARMUP_TOKENS)]) / _WARMUP_TOKENS
         load.extra.update({
             "prefill_step_s": self.prefill_step_s.value,
             "step_budget_s": self.policy.step_budget_s,
