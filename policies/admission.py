@@ -128,7 +128,7 @@ class AdmissionController:
         if wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
             decision = self._admit("spill" if route.spilled else "fits", route, now)
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
-            self.prompt_book(route.pool).promise(budget - pred.total_s, until)
+            self.prompt_book(route.pool).promise(budget - pred.total_s, until, now)
             return decision
         if self._probe_due(route.pool, now):
             return self._admit("probe", route, now)

@@ -37,6 +37,7 @@ class PromptBook:
     """Prefill seconds the learned costs already allow for since the book opened: the priced
     share of the workers' time, integrated over time."""
     _last: float = 0.0
+    _prune_at: int = 64
     _promises: list[tuple[float, float]] = field(default_factory=list)
     """Min-heap of promises as ``(slack + excess then, until - excess then)``, where excess is
     ``booked_s - expected_s``: a promise has room for ``slack - excess since``, and holds until
@@ -59,11 +60,18 @@ class PromptBook:
     def _excess(self) -> float:
         return self.booked_s - self.expected_s
 
-    def promise(self, slack_s: float, until: float) -> None:
+    def promise(self, slack_s: float, until: float, now: float) -> None:
         """An admitted request can bear ``slack_s`` more seconds of other prompts; it should be
         done at ``until``, later by whatever other prompts it bears."""
         excess = self._excess()
-        heapq.heappush(self._promises, (max(slack_s, 0.0) + excess, until - excess))
+        heap = self._promises
+        heapq.heappush(heap, (max(slack_s, 0.0) + excess, until - excess))
+        if len(heap) >= self._prune_at:
+            # Ended promises leave only from the top; a roomy one under a stream of tight ones
+            # would stay for ever.
+            heap[:] = [p for p in heap if p[1] + excess > now]
+            heapq.heapify(heap)
+            self._prune_at = max(64, 2 * len(heap))
 
     def room(self, now: float, priced_share: float = 0.0) -> tuple[float, float]:
         """``(seconds of prefill that may still be booked, when the tightest promise ends)``;

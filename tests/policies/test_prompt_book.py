@@ -21,8 +21,8 @@ def test_prompts_ahead_drain_in_real_time() -> None:
 def test_a_burst_uses_up_a_promise_until_it_ends() -> None:
     book = PromptBook()
     assert book.room(10.0) == (math.inf, 10.0)
-    book.promise(0.025, until=10.1)
-    book.promise(0.5, until=12.0)
+    book.promise(0.025, until=10.1, now=10.0)
+    book.promise(0.5, until=12.0, now=10.0)
     book.book(0.01, now=10.0)
     book.book(0.01, now=10.0)
     room, until = book.room(10.0)
@@ -42,7 +42,7 @@ def test_only_prompts_beyond_the_priced_share_use_up_a_promise(priced_share: flo
     for _ in range(100):  # 5 ms of prefill every 10 ms: half the workers' time
         now += 0.01
         book.book(0.005, now, priced_share)
-    book.promise(0.01, until=now + 0.2)
+    book.promise(0.01, until=now + 0.2, now=now)
     rooms = []
     for _ in range(10):
         now += 0.01
@@ -60,8 +60,18 @@ def test_credit_does_not_bank_while_no_prompts_come() -> None:
     book = PromptBook()
     book.book(0.01, now=1.0, priced_share=0.9)
     assert book.room(3.0, priced_share=0.9)[0] == math.inf
-    book.promise(0.015, until=5.0)
+    book.promise(0.015, until=5.0, now=3.0)
     assert book.room(3.0, priced_share=0.9)[0] == pytest.approx(0.015)  # idle for 2 s, no credit saved up
     book.book(0.01, now=3.0, priced_share=0.9)
     book.book(0.01, now=3.0, priced_share=0.9)
     assert book.room(3.0, priced_share=0.9)[0] < 0
+
+
+def test_ended_promises_do_not_pile_up_under_tighter_ones() -> None:
+    book = PromptBook()
+    now = 0.0
+    for i in range(10_000):  # each request lasts 50 ms; roomy and tight ones alternate
+        now += 0.01
+        book.promise(1.0 if i % 2 else 0.001, until=now + 0.05, now=now)
+        book.room(now)
+    assert len(book._promises) < 200
