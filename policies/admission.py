@@ -124,11 +124,12 @@ class AdmissionController:
         wait_budget = budget - pred.service_s
         if pred.queue_wait_s > 0 and not self._may_queue(route.pool, pred):
             wait_budget = 0.0
-        room, room_at = self.prompt_book(route.pool).room(now, pred.priced_share)
+        book = self.prompt_book(route.pool)
+        room, room_at = book.room(now, pred.priced_share)
         if wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
             decision = self._admit("spill" if route.spilled else "fits", route, now)
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
-            self.prompt_book(route.pool).promise(budget - pred.total_s, until, now)
+            book.promise(budget - pred.total_s, until, now)
             return decision
         if self._probe_due(route.pool, now):
             return self._admit("probe", route, now)
