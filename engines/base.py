@@ -64,6 +64,7 @@ class EngineLoad:
     kv_usage: float = 0.0
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
+    decode_s_per_seq: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
 

@@ -162,7 +162,8 @@ class SimEngine:
         return EngineLoad(
             running=len(self._running), waiting=len(self._waiting), capacity=t.max_batch,
             prefill_s_per_token=t.prefill_s_per_token,
-            decode_step_s=t.decode_base_s + t.decode_s_per_seq * max(len(self._running), 1))
+            decode_step_s=t.decode_base_s + t.decode_s_per_seq * max(len(self._running), 1),
+            decode_s_per_seq=t.decode_s_per_seq)
 
 
 def create(model: str | None = None, **options: Any) -> SimEngine:

@@ -444,7 +444,7 @@ class Worker:
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
             running=load.running, waiting=load.waiting + self._preparing, capacity=load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
-            decode_step_s=load.decode_step_s, ts=time.time())
+            decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq, ts=time.time())
 
     async def _heartbeat_loop(self) -> None:
         key = keys.heartbeat(self.s.pool, self.s.worker_id)

@@ -3,9 +3,10 @@
 Interactive work is admitted when its predicted latency, inflated by the margin and by the
 feedback factor, fits its objective. Put the other way round (the concurrency bound): the
 service time must fit the budget, and the queue wait predicted from the backlog ahead must fit
-what the service time leaves. That form names why a request was shed: it can never fit
-("exceeds-objective", retrying will not help) or the pool is busy now ("overloaded", retry after
-the backlog drains; or after the request that one more prompt would make late is done, see
+what the service time leaves. That form names why a request was shed: it can never fit, not even
+on an idle pool ("exceeds-objective", retrying will not help) or the pool is busy now
+("overloaded", retry after the backlog drains, or the running requests that make each step slow
+turn over; or after the request that one more prompt would make late is done, see
 :mod:`policies.prompt_book`). When no slot is free, only requests that hold one no longer than
 a small multiple of the pool's mean may queue: under overload, slot time goes where it makes the
 most on-time answers. Interactive admission never looks at batch demand, so batch can never push
@@ -133,9 +134,12 @@ class AdmissionController:
             return decision
         if self._probe_due(route.pool, now):
             return self._admit("probe", route, now)
-        if wait_budget < 0:
+        if pred.floor_service_s > self.objective(stream) / self.cfg.admission.margin:
             return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
-        late = pred.wait_s - wait_budget if pred.wait_s > wait_budget else room_at - now
+        if wait_budget < 0:  # fits an idle pool: the load makes each step slow
+            late = pred.mean_hold_s
+        else:
+            late = pred.wait_s - wait_budget if pred.wait_s > wait_budget else room_at - now
         return Decision("shed", "overloaded", 429, self._clamp_retry(late), pred.total_s, route.pool, route.worker)
 
     def _admit(self, reason: str, route: Route, now: float) -> Decision:

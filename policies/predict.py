@@ -51,6 +51,8 @@ class WorkerLoad(Protocol):
     @property
     def decode_step_s(self) -> float: ...
     @property
+    def decode_s_per_seq(self) -> float: ...
+    @property
     def models(self) -> Sequence[ModelLike]: ...
 
 
@@ -136,6 +138,9 @@ class Prediction:
     priced_share: float = 0.0
     """The share of the workers' time that the learned decode cost already gives to other
     requests' prompts: 1 - (the workers' own decode step / the learned cost per token)."""
+    floor_service_s: float = 0.0
+    """``service_s`` on an idle pool, at the workers' own step costs: when even this misses the
+    objective, no wait makes the request fit, and retrying will not help."""
 
     @property
     def wait_s(self) -> float:
@@ -157,6 +162,11 @@ class PoolLoad:
     prefill_s_per_token: float
     decode_s_per_token: float
     """Capacity-weighted heartbeat costs; 0 when no worker reported a step yet."""
+    decode_s_per_seq: float
+    """What one more running request adds to a worker's decode step (capacity-weighted); 0
+    when the workers do not say."""
+    running: int
+    """Requests running on these workers at their last heartbeat."""
     hint: str | None
     """The worker that could start one more request soonest, counting its own step times."""
 
@@ -164,8 +174,8 @@ class PoolLoad:
 def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est: PoolEstimate) -> PoolLoad:
     """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
     max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
-    capacity = count = 0
-    cap_timed = prefill = decode = 0.0
+    capacity = count = running = 0
+    cap_timed = prefill = decode = per_seq = 0.0
     hint, best = None, 0.0
     prompt, completion = est.prompt_tokens, est.completion_tokens
     for w in workers:
@@ -183,11 +193,13 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
             idle = 0
         capacity += cap
         count += 1
+        running += w.running
         step = w.decode_step_s
         if step > 0:
             cap_timed += cap
             prefill += cap * w.prefill_s_per_token
             decode += cap * step
+            per_seq += cap * w.decode_s_per_seq
         mean_service = ((w.prefill_s_per_token or est.prefill_s_per_token) * prompt
                         + (step or est.decode_s_per_token) * completion)
         backlog = w.waiting - idle + 1
@@ -195,8 +207,19 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
         if hint is None or score < best:
             hint, best = w.worker_id, score
     if cap_timed:
-        prefill, decode = prefill / cap_timed, decode / cap_timed
-    return PoolLoad(capacity, count, prefill, decode, hint)
+        prefill, decode, per_seq = prefill / cap_timed, decode / cap_timed, per_seq / cap_timed
+    return PoolLoad(capacity, count, prefill, decode, per_seq, running, hint)
+
+
+def unseen_growth(in_flight: int, load: PoolLoad) -> float:
+    """How much longer a decode step will be, per worker, once the requests in flight (and one
+    more) run, than the workers last reported. Heartbeats are a second old and learned costs
+    older still: under a sudden burst both describe the idle pool it found, while every
+    admitted request makes each step longer."""
+    if not load.decode_s_per_seq or not load.workers:
+        return 0.0
+    extra = min(in_flight + 1, load.capacity) - load.running
+    return load.decode_s_per_seq * max(extra, 0) / load.workers
 
 
 def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
@@ -243,10 +266,26 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     if load.capacity <= 0:
         return None
     prefill, decode = costs(load, est, cfg)
+    growth = unseen_growth(in_flight, load)
+    decode += growth
     mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
     wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, decode)
-    priced = 1.0 - load.decode_s_per_token / decode if load.decode_s_per_token and decode else 0.0
+    step = load.decode_s_per_token + growth
+    priced = 1.0 - step / decode if load.decode_s_per_token and decode else 0.0
     return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream),
                       service_time(prefill, decode, prompt_tokens, max_tokens, False), mean_service,
                       max(in_flight - load.capacity, 0), prompts_ahead_s,
-                      prefill * prompt_tokens / load.workers, min(max(priced, 0.0), MAX_PRICED_SHARE))
+                      prefill * prompt_tokens / load.workers, min(max(priced, 0.0), MAX_PRICED_SHARE),
+                      floor_service(load, prefill, decode, prompt_tokens, max_tokens, stream))
+
+
+def floor_service(load: PoolLoad, prefill: float, decode: float, prompt_tokens: int, max_tokens: int,
+                  stream: bool) -> float:
+    """Service time on an idle pool: the workers' own prompt cost and their decode step with
+    one request running, where they report them; else the costs the prediction uses."""
+    if load.decode_s_per_token:
+        busy = load.decode_s_per_seq * max(load.running / load.workers - 1, 0.0)
+        decode = min(decode, max(load.decode_s_per_token - busy, load.decode_s_per_seq))
+    if load.prefill_s_per_token:
+        prefill = min(prefill, load.prefill_s_per_token)
+    return service_time(prefill, decode, prompt_tokens, max_tokens, stream)

@@ -124,6 +124,8 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     kv_usage: float = 0.0
     prefill_s_per_token: float = 0.0
     decode_step_s: float = 0.0
+    decode_s_per_seq: float = 0.0
+    """What one more running request adds to ``decode_step_s``; 0 when the engine does not know."""
     ts: float = 0.0
     v: int = VERSION
 

@@ -111,6 +111,7 @@ class StreamEngine(PagedEngine):
         token a share of the step's fixed cost and the decodes that shared it."""
         load = super().load()
         load.prefill_s_per_token = self.cost.prefill_s([(0, _WARMUP_TOKENS)]) / _WARMUP_TOKENS
+        load.decode_s_per_seq = self.cost.decode_scale.value * self.cost.per_decode_s
         load.extra.update({
             "prefill_step_s": self.prefill_step_s.value,
             "step_budget_s": self.policy.step_budget_s,

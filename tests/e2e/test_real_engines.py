@@ -82,6 +82,7 @@ def test_heartbeats_carry_engine_load(engines_stack) -> None:
     assert beats["batch"].engine == "paged" and beats["interactive"].engine == "stream"
     assert beats["batch"].capacity > 0 and 0.0 <= beats["batch"].kv_usage <= 1.0
     assert beats["interactive"].models[0].max_context >= 2048
+    assert beats["interactive"].decode_s_per_seq > 0  # admission projects a burst's steps from it
 
 
 def test_prompt_beyond_context_is_400_naming_the_numbers(engines_stack) -> None:

@@ -290,6 +290,7 @@ def test_create_measures_costs_for_load_reports(tiny_model_dir: Path, engine_dev
     load = engine.load()
     assert load.capacity == 3 and load.running == 0 and load.waiting == 0
     assert load.prefill_s_per_token > 0 and load.decode_step_s > 0
+    assert 0 < load.decode_s_per_seq < load.decode_step_s  # a row adds less than the pass itself
     assert engine.cost.fixed_s > 0 and engine.cost.per_token_s > 0
     assert_pool_clean(engine)
     for i in range(5):

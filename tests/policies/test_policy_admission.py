@@ -14,10 +14,10 @@ BUDGET = 0.150 / 1.2
 
 
 def hb(worker_id: str, running: int = 0, waiting: int = 0, capacity: int = 8, decode: float = 0.01,
-       prefill: float = 0.0001) -> Heartbeat:
+       prefill: float = 0.0001, per_seq: float = 0.0) -> Heartbeat:
     return Heartbeat(worker_id=worker_id, pool="p", engine="sim", models=[ModelInfo("m", 8192)],
                      running=running, waiting=waiting, capacity=capacity,
-                     prefill_s_per_token=prefill, decode_step_s=decode)
+                     prefill_s_per_token=prefill, decode_step_s=decode, decode_s_per_seq=per_seq)
 
 
 def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: int = 64,
@@ -284,3 +284,37 @@ def test_a_burst_on_free_slots_is_admitted_only_as_far_as_its_prompts_fit() -> N
     assert shed.retry_after_s >= CFG.admission.min_retry_after_s
     # Once the burst should be done, its prompts and promises no longer hold the pool.
     assert ask(ctl, sig, now=5.0 + admitted[-1].predicted_s + 0.001).admitted
+
+
+def test_a_burst_is_admitted_only_as_far_as_the_steps_it_makes_longer_fit() -> None:
+    # An idle worker, 64 slots, 4 ms a step plus 1 ms per running request, prompts nearly free:
+    # 8 tokens fit 125 ms while no more than 11 run, whatever the slots say.
+    def burst(per_seq: float) -> list[str]:
+        ctl = AdmissionController(CFG)
+        sig = {"interactive": PoolSignals("interactive", 0, [hb("i1", capacity=64, decode=0.004, prefill=1e-6,
+                                                                per_seq=per_seq)])}
+        reasons = []
+        for _ in range(40):
+            d = ask(ctl, sig, now=1.0)
+            reasons.append(d.reason)
+            if d.admitted:
+                sig = {"interactive": PoolSignals("interactive", sig["interactive"].in_flight + 1,
+                                                  sig["interactive"].workers)}
+        return reasons
+
+    growing = burst(0.001)
+    assert growing[:11] == ["fits"] * 11 and "fits" not in growing[11:]
+    assert set(growing[11:]) <= {"overloaded", "probe"}
+    assert burst(0.0) == ["fits"] * 40  # a worker that does not say how its step grows: slots alone
+
+
+def test_a_request_that_fits_an_idle_pool_is_shed_overloaded_with_a_retry() -> None:
+    ctl = AdmissionController(CFG)
+    sig = signals(i_running=0)
+    for _ in range(CFG.admission.estimator.min_samples):  # under load, 30 ms a token was learned
+        ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
+                    queue_wait_s=0.0, ttft_s=0.04, e2e_s=0.25, now=0.0)
+    score = ask(ctl, sig, now=0.1)  # 8 tokens: 240 ms now, 90 ms on the workers' own 10 ms step
+    assert (score.outcome, score.reason) == ("shed", "overloaded") and score.retry_after_s > 0
+    report = ask(ctl, sig, max_tokens=400, now=0.1)  # 4 s even on an idle pool
+    assert (report.outcome, report.reason, report.retry_after_s) == ("shed", "exceeds-objective", 0.0)

@@ -13,10 +13,10 @@ EST_CFG = load({}).admission.estimator
 
 
 def hb(worker_id: str = "w", running: int = 0, waiting: int = 0, capacity: int = 8,
-       prefill: float = 0.0001, decode: float = 0.01) -> Heartbeat:
+       prefill: float = 0.0001, decode: float = 0.01, per_seq: float = 0.0) -> Heartbeat:
     return Heartbeat(worker_id=worker_id, pool="p", engine="sim", models=[ModelInfo("m", 4096)],
                      running=running, waiting=waiting, capacity=capacity,
-                     prefill_s_per_token=prefill, decode_step_s=decode)
+                     prefill_s_per_token=prefill, decode_step_s=decode, decode_s_per_seq=per_seq)
 
 
 def pred(in_flight: int, workers: list[Heartbeat], stream: bool = False, max_tokens: int = 8):
@@ -185,3 +185,18 @@ def test_priced_share_is_the_learned_slowdown_over_the_workers_own_step() -> Non
     assert predict(0, slow_host, est, EST_CFG, 100, 8, False).priced_share == pytest.approx(0.9)  # capped
     fast = aggregate([hb(decode=0.05)], None, 0, est)
     assert predict(0, fast, est, EST_CFG, 100, 8, False).priced_share == 0.0
+
+
+def test_decode_grows_with_the_requests_in_flight_that_heartbeats_have_not_seen() -> None:
+    # The worker last saw 2 running; each running request adds 1 ms to its 10 ms step.
+    est = PoolEstimate.prior(EST_CFG)
+    load = aggregate([hb(running=2, decode=0.010, capacity=32, per_seq=0.001)], "m", 108, est)
+    seen = predict(2, load, est, EST_CFG, 100, 8, False)
+    burst = predict(20, load, est, EST_CFG, 100, 8, False)
+    full = predict(100, load, est, EST_CFG, 100, 8, False)
+    assert seen.service_s == pytest.approx(100 * 0.0001 + 8 * 0.011)  # only the request itself is new
+    assert burst.service_s == pytest.approx(100 * 0.0001 + 8 * 0.029)  # 21 running, not 2
+    assert full.service_s == pytest.approx(100 * 0.0001 + 8 * 0.040)  # no more than the 32 slots run
+    assert burst.floor_service_s == pytest.approx(100 * 0.0001 + 8 * 0.009)  # one running, not two
+    silent = aggregate([hb(running=2, decode=0.010, capacity=32)], "m", 108, est)  # a worker that does not say
+    assert predict(20, silent, est, EST_CFG, 100, 8, False).service_s == pytest.approx(100 * 0.0001 + 8 * 0.010)
