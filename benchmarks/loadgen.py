@@ -33,6 +33,8 @@ class Sample:
     started: float = 0.0
     retry_after: float | None = None
     streamed: bool = False
+    reason: str | None = None
+    """``x-slogate-reason`` of an answer that was not a 200 (why it was shed)."""
 
 
 @dataclass
@@ -68,13 +70,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, row: dict[str, A
     start = time.perf_counter()
     body = row["body"]
     ttft = None
-    retry_after = None
+    retry_after = reason = None
     try:
         async with session.post(url + row.get("endpoint", "/v1/chat/completions"), json=body,
                                 headers=headers) as resp:
             status = resp.status
             if status == 429 and "Retry-After" in resp.headers:
                 retry_after = float(resp.headers["Retry-After"])
+            if status != 200:
+                reason = resp.headers.get("x-slogate-reason")
             if body.get("stream") and status == 200:
                 async for line in resp.content:
                     if ttft is None and b'"content":"' in line and b'"content":""' not in line:
@@ -87,7 +91,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, row: dict[str, A
         status = 0
     latency = time.perf_counter() - start
     return Sample(row.get("class_hint", "interactive"), status, latency, ttft, start, retry_after,
-                  bool(body.get("stream")))
+                  bool(body.get("stream")), reason)
 
 
 async def closed_loop(url: str, workload: Workload, concurrency: int, duration: float,

@@ -50,6 +50,8 @@ class FloodResult:
     goodput_rps: float
     windows: list[float]
     """``within_objective`` per window of ``--window`` seconds, by when the request was sent."""
+    shed_reasons: dict[str, int]
+    """Sheds by ``x-slogate-reason``."""
 
 
 def run_clients(redis_url: str, workload_path: str, clients: int, duration: float, seed: int) -> list[Sample]:
@@ -78,9 +80,14 @@ def summarize(clients: int, samples: list[Sample], duration: float, window: floa
     windows = [within([s for s in admitted if k * window <= s.started - first < (k + 1) * window])
                for k in range(int(duration // window))]
     lat = [s.latency for s in admitted]
+    reasons: dict[str, int] = {}
+    for s in samples:
+        if s.status == 429:
+            reasons[s.reason or "?"] = reasons.get(s.reason or "?", 0) + 1
     return FloodResult(clients, len(samples) / duration, len(admitted) / duration, shed / duration,
                        len(samples) - len(admitted) - shed, percentile(lat, 50) * 1000, percentile(lat, 99) * 1000,
-                       within(admitted), sum(s.latency <= OBJECTIVE_S for s in admitted) / duration, windows)
+                       within(admitted), sum(s.latency <= OBJECTIVE_S for s in admitted) / duration, windows,
+                       reasons)
 
 
 def main() -> None:
@@ -107,9 +114,12 @@ def main() -> None:
             server.stop()
 
     table = markdown_table(
-        ["clients", "sent/s", "admitted/s", "shed/s", "errors", "P50 ms", "P99 ms", "within 150 ms", "goodput/s"],
+        ["clients", "sent/s", "admitted/s", "shed/s", "errors", "P50 ms", "P99 ms", "within 150 ms", "goodput/s",
+         "shed by reason"],
         [[r.clients, r.sent_rps, r.admitted_rps, r.shed_rps, r.errors, r.p50_ms, r.p99_ms,
-          f"{r.within_objective:.1%}", r.goodput_rps] for r in results])
+          f"{r.within_objective:.1%}", r.goodput_rps,
+          ", ".join(f"{k} {v / sum(r.shed_reasons.values()):.0%}" for k, v in sorted(r.shed_reasons.items()))]
+         for r in results])
     windows = markdown_table(
         ["clients"] + [f"{k * args.window:g}-{(k + 1) * args.window:g} s" for k in range(len(results[0].windows))],
         [[r.clients] + [f"{w:.1%}" for w in r.windows] for r in results])

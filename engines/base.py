@@ -54,6 +54,8 @@ class StepOutput:
     completion_tokens: int = 0
     error: str | None = None
     error_status: int = 500
+    error_code: str | None = None
+    """OpenAI's error code, where a more precise one than the status's applies."""
 
 
 @dataclass

@@ -94,7 +94,7 @@ class SimEngine:
         total = n + request.sampling.max_tokens
         if total > self.timing.max_context:
             self._errors.append(StepOutput(
-                request.id, prompt_tokens=n, error_status=400,
+                request.id, prompt_tokens=n, error_status=400, error_code="context_length_exceeded",
                 error=f"prompt ({n} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
                       f"{total}, beyond the model's context of {self.timing.max_context} tokens"))
             return

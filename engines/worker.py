@@ -375,7 +375,7 @@ class Worker:
             if job is None:
                 continue
             if out.error is not None:
-                code = "invalid_request_error" if out.error_status < 500 else "engine_error"
+                code = out.error_code or ("invalid_request_error" if out.error_status < 500 else "engine_error")
                 self._write(job, Error(out.error, code, out.error_status, job.attempt))
                 self.metrics.finished(code)
             else:

@@ -27,11 +27,12 @@ def estimate_prompt_tokens(parsed: ParsedRequest) -> int:
 
 def retry_headers(seconds: float) -> dict[str, str]:
     """``Retry-After`` allows whole seconds only; ``retry-after-ms`` (read by the OpenAI SDKs)
-    carries the real figure. A refusal with no estimate (0: the request is predicted to miss
-    its objective whatever the load) says one second in both, not a millisecond that would
-    send an SDK straight back to be refused again."""
+    carries the real figure. A refusal that no wait helps (0: the request would miss its
+    objective or deadline on an idle pool, or alone exceeds a rate limit) says
+    ``x-should-retry: false`` instead, which the OpenAI SDKs obey: without it they retry every
+    429, twice by default, to be refused again."""
     if seconds <= 0:
-        seconds = 1.0
+        return {"x-should-retry": "false"}
     return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
 
 

@@ -107,11 +107,16 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    view = request.app[STATE].directory.view
-    created = int(request.app[STATE].started_at)
+    """Behind the same key check as completions, and only the models the key may use: which
+    models a deployment serves is not for anyone who reaches the port."""
+    state = request.app[STATE]
+    caller = state.keys.authenticate(request.headers.get("Authorization"))
+    view = state.directory.view
+    created = int(state.started_at)
     data = [{"id": m.id, "object": "model", "created": created, "owned_by": "slogate",
              "max_model_len": m.max_context, "pools": view.pools_serving(m.id)}
-            for m in sorted(view.models.values(), key=lambda m: m.id)]
+            for m in sorted(view.models.values(), key=lambda m: m.id)
+            if not caller.models or m.id in caller.models]
     return web.json_response({"object": "list", "data": data}, dumps=lambda o: _json.encode(o).decode())
 
 

@@ -260,7 +260,10 @@ def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
     job.worker_done = True
     if isinstance(rec, Error):
         job.outcome, job.status = rec.code, rec.status
-        return APIError(rec.status, rec.message, None, rec.code)
+        param = None
+        if rec.code == "context_length_exceeded":
+            param = "messages" if job.parsed.messages is not None else "prompt"
+        return APIError(rec.status, rec.message, param, rec.code)
     if rec.finish_reason == "deadline":
         job.outcome, job.status = "deadline", 504
         return APIError(504, "the request did not finish before its deadline", None, "deadline_exceeded")

@@ -33,6 +33,9 @@ ERROR_STATUSES = {
 _RETRY_AFTER = {"Retry-After": {"description": "Whole seconds to wait before retrying.",
                                 "schema": {"type": "string"}},
                 "retry-after-ms": {"description": "Milliseconds to wait (read by the OpenAI SDKs).",
+                                   "schema": {"type": "string"}},
+                "x-should-retry": {"description": "`false` (in place of the two above) when retrying the same "
+                                                  "request cannot help; the OpenAI SDKs then do not retry.",
                                    "schema": {"type": "string"}}}
 _REQUEST_ID = {"x-request-id": {"description": "The client's id if it sent a valid one, else a new one.",
                                 "schema": {"type": "string"}}}
@@ -112,9 +115,14 @@ def _completion_op(summary: str, op_id: str, body: str, result: str,
                                     for s in ERROR_STATUSES}}}}
 
 
-def _get_op(summary: str, op_id: str, content: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {"get": {"summary": summary, "operationId": op_id, "responses": {
-        "200": {"description": summary, "content": content}, **extra}}}
+def _get_op(summary: str, op_id: str, content: dict[str, Any], secured: bool = False,
+            **extra: Any) -> dict[str, Any]:
+    op = {"summary": summary, "operationId": op_id, "responses": {
+        "200": {"description": summary, "content": content}, **extra}}
+    if secured:
+        op["security"] = [{}, {"bearer": []}]
+        op["responses"]["401"] = {"$ref": "#/components/responses/Error401"}
+    return {"get": op}
 
 
 def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
@@ -136,7 +144,8 @@ def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
                                                    "ChatBody", "ChatCompletion", chat_example),
             "/v1/completions": _completion_op("Create a text completion", "createCompletion",
                                               "CompletionBody", "Completion", completion_example),
-            "/v1/models": _get_op("Models that live workers serve", "listModels", _json("ModelList")),
+            "/v1/models": _get_op("Models that live workers serve (those the API key may use)", "listModels",
+                                  _json("ModelList"), secured=True),
             "/healthz": _get_op("The process is alive", "healthz", _json("Health")),
             "/readyz": _get_op("Redis answers and every configured pool has a live worker", "readyz",
                                _json("Readiness"), **{"503": {"description": "Not ready; `reason` says why.",

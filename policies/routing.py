@@ -35,6 +35,10 @@ def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
             continue
         est = estimate(pool)
         load = aggregate(sig.workers, model, prompt_tokens + max_tokens, est)
+        if not load.capacity and model is not None:
+            # The prompt's length is a guess (no tokenizer here) and can run high: a worker that
+            # serves the model counts it exactly, and answers 400 if it does not fit after all.
+            load = aggregate(sig.workers, model, 0, est)
         pred = predict(sig.in_flight, load, est, cfg.admission.estimator, prompt_tokens, max_tokens, stream,
                        sig.own_ends, now, prompts[pool].ahead(now) if pool in prompts else 0.0)
         if pred is not None and (best is None or pred.total_s < best.prediction.total_s):

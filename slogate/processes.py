@@ -19,9 +19,10 @@ from slogate.local_redis import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def http_get(url: str) -> tuple[int, bytes]:
+def http_get(url: str, api_key: str | None = None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -77,10 +78,10 @@ class Stack:
                 raise TimeoutError(f"{path} did not answer {status} within {timeout}s")
             time.sleep(0.05)
 
-    def wait_models(self, model: str, pools: int = 1, timeout: float = 60.0) -> None:
+    def wait_models(self, model: str, pools: int = 1, timeout: float = 60.0, api_key: str | None = None) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            code, body = http_get(self.url + "/v1/models")
+            code, body = http_get(self.url + "/v1/models", api_key)
             if code == 200 and any(m["id"] == model and len(m["pools"]) >= pools
                                    for m in json.loads(body)["data"]):
                 return

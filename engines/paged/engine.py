@@ -104,7 +104,8 @@ class PagedEngine:
         seq = Sequence(request.id, prompt_ids, request.sampling, request.deadline)
         reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
         if reason:
-            self._pending.append(_error(request.id, reason, len(prompt_ids)))
+            self._pending.append(_error(request.id, reason, len(prompt_ids),
+                                        "context_length_exceeded" if prompt_ids else None))
             return
         tracker = OutputTracker(self.loaded.tokenizer, request.sampling, self.loaded.eos_token_ids, prompt_ids)
         self._live[request.id] = _Live(seq, tracker, make_generator(request.sampling, self.loaded.device))
@@ -214,11 +215,12 @@ def _blend(old: float, new: float) -> float:
     return new if old == 0.0 else (1 - _SMOOTHING) * old + _SMOOTHING * new
 
 
-def _error(request_id: str, message: str, prompt_tokens: int = 0) -> StepOutput:
+def _error(request_id: str, message: str, prompt_tokens: int = 0, code: str | None = None) -> StepOutput:
     return StepOutput(
         request_id=request_id,
         finish_reason="error",
         prompt_tokens=prompt_tokens,
         error=message,
         error_status=400,
+        error_code=code,
     )

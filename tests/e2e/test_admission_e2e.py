@@ -43,7 +43,7 @@ async def test_overload_sheds_interactive_with_retry_after(overloaded: Stack) ->
     assert served, "admission must still let the capacity it has through"
     assert len(shed) + len(served) == 80
     status, body, headers = shed[0]
-    assert headers["x-slogate-reason"] in ("overloaded", "exceeds-objective")
+    assert headers["x-slogate-reason"] == "overloaded"  # a score fits an idle pool: the load is what sheds it
     assert "Retry-After" in headers and int(headers["retry-after-ms"]) > 0
     assert -(-int(headers["retry-after-ms"]) // 1000) == int(headers["Retry-After"]), "the two headers agree"
     assert "objective" in body["error"]["message"]
@@ -58,6 +58,6 @@ async def test_too_long_for_the_objective_is_told_to_go_batch(overloaded: Stack)
     status, err, headers = await post(overloaded.url, body, **{"x-slogate-class": "interactive"})
     assert status == 429 and headers["x-slogate-reason"] == "exceeds-objective"
     assert "x-slogate-class: batch" in err["error"]["message"]
-    assert (headers["Retry-After"], headers["retry-after-ms"]) == ("1", "1000")
+    assert headers["x-should-retry"] == "false" and "Retry-After" not in headers and "retry-after-ms" not in headers
     status, _, headers = await post(overloaded.url, body, **{"x-slogate-class": "batch"})
     assert status == 200 and headers["x-slogate-pool"] == "batch"

@@ -126,6 +126,7 @@ async def test_prompt_beyond_context_is_rejected_by_the_worker(stack: Stack) -> 
                                  json_body={"model": MODEL, "prompt": long_prompt, "max_tokens": 500})
     assert status == 400
     assert "beyond the model's context" in resp["error"]["message"]
+    assert (resp["error"]["code"], resp["error"]["param"]) == ("context_length_exceeded", "prompt")
 
 
 async def test_too_many_messages(stack: Stack) -> None:

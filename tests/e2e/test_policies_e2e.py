@@ -29,8 +29,10 @@ def guarded(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) 
     config.write_text(yaml.safe_dump({
         "api_keys": [{"id": "payments", "sha256": hash_key("sk-pay")},
                      {"id": "analyst", "sha256": hash_key("sk-ana"), "models": ["other-model"]},
-                     {"id": "reports", "sha256": hash_key("sk-rep")}],
-        "policies": {"rate_limits": {"rpm": 0, "tpm": 0, "per_key": {"payments": {"rpm": RPM}}},
+                     {"id": "reports", "sha256": hash_key("sk-rep")},
+                     {"id": "small", "sha256": hash_key("sk-small")}],
+        "policies": {"rate_limits": {"rpm": 0, "tpm": 0, "per_key": {"payments": {"rpm": RPM},
+                                                                     "small": {"tpm": 50}}},
                      "classification": {"key_classes": {"reports": "batch"}}},
     }))
     env = {**FAST_FLEET, "SLOGATE_CONFIG": str(config)}
@@ -40,7 +42,7 @@ def guarded(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) 
     stacks[0].worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
     stacks[0].worker("batch", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
     for s in stacks:
-        s.wait_models(MODEL, pools=2)
+        s.wait_models(MODEL, pools=2, api_key="sk-pay")
     yield stacks
     for s in stacks:
         s.stop()
@@ -65,6 +67,21 @@ async def test_missing_and_unknown_keys_are_401(guarded: list[Stack]) -> None:
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     status, body, _ = await post(guarded[0].url, SCORE, Authorization="Basic abc")
     assert status == 401 and "Bearer" in body["error"]["message"]
+
+
+async def test_models_need_a_key_and_list_only_what_the_key_may_use(guarded: list[Stack]) -> None:
+    async with aiohttp.ClientSession() as s:
+        async def models(key: str | None) -> tuple[int, dict]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with s.get(guarded[0].url + "/v1/models", headers=headers) as r:
+                return r.status, await r.json()
+
+        status, body = await models(None)
+        assert status == 401 and body["error"]["code"] == "missing_api_key"
+        status, body = await models("sk-pay")
+        assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+        status, body = await models("sk-ana")  # may use only "other-model", which nothing serves
+        assert status == 200 and body["data"] == []
 
 
 async def test_key_limited_to_other_models_is_403(guarded: list[Stack]) -> None:
@@ -95,6 +112,15 @@ async def test_rate_limit_holds_across_two_gateways(guarded: list[Stack]) -> Non
     assert int(headers["Retry-After"]) >= 1 and headers["x-slogate-reason"] == "rate-limit:rpm"
     other = await post(guarded[1].url, SCORE, key="sk-rep")
     assert other[0] == 200, "another key is not limited by this one"
+
+
+async def test_a_request_over_the_whole_tpm_is_told_not_to_retry(guarded: list[Stack]) -> None:
+    status, body, headers = await post(guarded[0].url, {**SCORE, "max_tokens": 60}, key="sk-small")
+    assert status == 429 and headers["x-slogate-reason"] == "rate-limit:tokens-over-tpm"
+    assert headers["x-should-retry"] == "false" and "Retry-After" not in headers
+    assert "50 tokens per minute" in body["error"]["message"]
+    status, _, _ = await post(guarded[0].url, SCORE, key="sk-small")
+    assert status == 200
 
 
 async def test_concurrent_streams_per_key_are_capped(guarded: list[Stack], redis_server: LocalRedis) -> None:

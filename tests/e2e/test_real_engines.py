@@ -85,6 +85,16 @@ def test_heartbeats_carry_engine_load(engines_stack) -> None:
     assert beats["interactive"].decode_s_per_seq > 0  # admission projects a burst's steps from it
 
 
+def test_a_prompt_the_gateway_guesses_too_long_is_served_when_it_fits(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    # 9,000 characters: 2,250 tokens at the gateway's four characters a token, about 1,800 in fact.
+    answer = client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user",
+                                                                                 "content": "risk " * 1800}])
+    assert answer.usage.prompt_tokens < 2048 < 9000 / 4
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 def test_prompt_beyond_context_is_400_naming_the_numbers(engines_stack) -> None:
     stack, model = engines_stack
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
@@ -92,4 +102,6 @@ def test_prompt_beyond_context_is_400_naming_the_numbers(engines_stack) -> None:
         client.completions.create(model=model, prompt="risk " * 3000, max_tokens=100,
                                   extra_headers={"x-slogate-class": "batch"})
     assert "context" in str(info.value)
-    assert json.loads(info.value.response.text)["error"]["type"] == "invalid_request_error"
+    error = json.loads(info.value.response.text)["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded",
+                                                              "prompt")

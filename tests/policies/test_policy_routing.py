@@ -82,3 +82,6 @@ def test_workers_without_the_model_or_the_context_are_skipped() -> None:
     assert route({"fast-a": PoolSignals("fast-a", 0, [other, short, good])}).worker == "good"
     assert route({"fast-a": PoolSignals("fast-a", 0, [other])}, budget=None) is None
     assert route({"fast-a": PoolSignals("fast-a", 0, [other])}, model=None).worker == "other"
+    # The gateway's guess at the prompt's length (100 + 8 here) is beyond every context that
+    # serves the model: the worker's exact count decides, not a 503.
+    assert route({"fast-a": PoolSignals("fast-a", 0, [other, short])}).worker == "short"
