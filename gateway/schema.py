@@ -33,6 +33,7 @@ class Message(msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -73,6 +74,10 @@ class ChatBody(_Common):
     response_format: ResponseFormat | None = None
     functions: list[Any] | None = None
     """The deprecated form of ``tools``."""
+    tool_choice: Any = None
+    top_logprobs: Int64 | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
 
 class CompletionBody(_Common):
@@ -159,6 +164,16 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
             raise bad_request(f"response_format '{raw.response_format.type}' is not supported: this gateway does "
                               "not constrain output to JSON (only 'text')", "response_format.type",
                               "unsupported_value")
+        if raw.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools, and tool calling is not supported by this gateway",
+                              "tool_choice", "unsupported_value")
+        if raw.top_logprobs:
+            raise bad_request("logprobs are not supported by this gateway", "top_logprobs", "unsupported_value")
+        if raw.modalities not in (None, ["text"]) or raw.audio is not None:
+            raise bad_request("only text output is supported by this gateway",
+                              "audio" if raw.audio is not None else "modalities", "unsupported_value")
+    if raw.stream_options is not None and not raw.stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     temperature = _ranged(raw.temperature, "temperature", 0.0, 2.0, 1.0)
     top_p = _ranged(raw.top_p, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
@@ -214,12 +229,21 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
         raise bad_request("'messages' must hold at least one message", "messages", "missing_required_parameter")
     out = []
     for i, m in enumerate(messages):
+        if m.tool_calls:
+            raise bad_request("tool calling is not supported by this gateway", f"messages[{i}].tool_calls",
+                              "unsupported_value")
+        if m.content is None and m.role != "assistant":
+            raise bad_request(f"a {m.role} message needs 'content'", f"messages[{i}].content",
+                              "missing_required_parameter")
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(f"only text content parts are supported, got '{part.type}'",
                                       f"messages[{i}].content[{j}].type", "unsupported_value")
+                if part.text is None:
+                    raise bad_request("a text content part needs 'text'", f"messages[{i}].content[{j}].text",
+                                      "missing_required_parameter")
                 texts.append(part.text)
             content = "".join(texts)
         else:

@@ -47,7 +47,9 @@ async def test_chat_non_streamed(stack: Stack) -> None:
 async def test_text_response_format_and_empty_logit_bias_are_accepted(stack: Stack) -> None:
     """What asks for nothing this gateway cannot do is served; a JSON format or a bias is refused
     (``test_bad_input``)."""
-    body = {**CHAT, "response_format": {"type": "text"}, "logit_bias": {}, "functions": []}
+    body = {**CHAT, "response_format": {"type": "text"}, "logit_bias": {}, "functions": [], "tool_choice": "none",
+            "top_logprobs": 0, "modalities": ["text"],
+            "messages": [{"role": "assistant", "content": None}, *CHAT["messages"]]}
     async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200
         assert (await r.json())["usage"]["completion_tokens"] == 6
