@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -30,7 +31,7 @@ from gateway.state import STATE, GatewayState
 from gateway.workers import WorkerDirectory
 from policies.admission import AdmissionController
 from slogate import logs, tracing
-from slogate.config import Config
+from slogate.config import DEFAULT_REDIS_URL, Config, redacted
 from slogate.crypto import Sealer
 from slogate.heap import freeze_startup_heap
 
@@ -53,7 +54,8 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
         resp = await handler(request)
     except APIError as err:
         resp = err.response()
-        request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
+        if not request.get("counted"):
+            request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
     except web.HTTPException as exc:
         resp = _http_error(request, exc).response()
     except asyncio.CancelledError:
@@ -177,7 +179,7 @@ def make_app(cfg: Config) -> web.Application:
 
 def _resources(cfg: Config):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        url = cfg.redis_url or "redis://127.0.0.1:6379/0"
+        url = cfg.redis_url or DEFAULT_REDIS_URL
         commands = aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2,
                                            socket_timeout=5, health_check_interval=10)
         reader = aioredis.Redis.from_url(url, single_connection_client=True,
@@ -228,13 +230,19 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish."""
     tracing.setup("slogate-gateway")
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpAtInfo())
+    # Bound before anything starts: under uvloop, a bind that failed after setup left the
+    # background tasks uncancellable, and the process hung instead of saying the port is taken.
+    family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    listening = socket.create_server((cfg.host, cfg.port), family=family, backlog=4096)
     app = make_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Open requests get ``grace_s`` below; what is still open after it is cut off (aiohttp's
+    # own wait for handlers, 60 s by default, would stretch the grace past what was asked).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=4096)
-    await site.start()
+    await web.SockSite(runner, listening).start()
     freeze_startup_heap()
-    log.info("gateway listening on http://%s:%d", cfg.host, cfg.port)
+    log.info("gateway listening on http://%s:%d (Redis at %s)", cfg.host, cfg.port,
+             redacted(cfg.redis_url or DEFAULT_REDIS_URL))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -248,5 +256,7 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     end = time.monotonic() + grace_s
     while state.in_flight and time.monotonic() < end:
         await asyncio.sleep(0.05)
+    if state.in_flight:
+        log.warning("grace over: cutting off %d request(s) still in flight", state.in_flight)
     await runner.cleanup()
     tracing.shutdown()

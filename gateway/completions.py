@@ -133,6 +133,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": admission}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id), arrived, headers)
+    request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     state.in_flight += 1
     state.metrics.in_flight.inc()
     try:
@@ -142,6 +143,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
                 await state.batcher.call("XADD", keys.queue(pool), "*", protocol.ID_FIELD, request_id,
                                          protocol.FIELD, sealed)
             except (RedisError, OSError) as exc:
+                job.outcome, job.status = "redis_unavailable", 503
                 raise APIError(503, f"cannot queue the request: Redis is unavailable ({exc})", None,
                                "redis_unavailable") from None
         if parsed.stream:
@@ -328,7 +330,7 @@ def _observe(job: _Job) -> None:
     end = time.time()
     rec = job.final
     if rec is None:
-        if job.status >= 500 and job.status != 504:
+        if job.status >= 500 and job.status != 504 and job.outcome != "redis_unavailable":
             job.state.admission.observe_failure(job.gen.pool, end)
         return
     e2e = end - job.arrived

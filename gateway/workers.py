@@ -71,6 +71,9 @@ class WorkerDirectory:
         self.poll_s = poll_s
         self.view = FleetView()
         self.redis_ok = False
+        self._said_down = False
+        """Whether the log says Redis is unreachable, so each outage is one line, from the first
+        read on (a gateway started without Redis says so), and so is each recovery."""
         self.own = InFlight()
         """This gateway's requests in flight; the request handlers start and end them."""
 
@@ -92,13 +95,15 @@ class WorkerDirectory:
                     p.xlen(keys.queue(pool))
                 depths = await p.execute()
         except (RedisError, OSError) as exc:
-            if self.redis_ok:
+            if not self._said_down:
                 log.error("Redis unreachable: %s", exc)
-            self.redis_ok = False
+            self.redis_ok, self._said_down = False, True
             return
         self.view = FleetView(heartbeats, dict(zip(pools, depths)),
                               {pool: self.own.count(pool) for pool in pools})
-        self.redis_ok = True
+        if self._said_down:
+            log.info("Redis reachable again")
+        self.redis_ok, self._said_down = True, False
 
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's requests in flight: this gateway's own, counted as they start and end,

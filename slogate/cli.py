@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from slogate import logs
-from slogate.config import Config, ConfigError, load_config
+from slogate.config import DEFAULT_REDIS_URL, Config, ConfigError, load_config, redacted
 from slogate.up import CANNOT_START
 
 
@@ -88,10 +91,29 @@ def cmd_hash_key(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def cmd_audit_export(args: argparse.Namespace, cfg: Config) -> None:
+    """With no Redis configured, the trail is in ``slogate up``'s own Redis: the running one, or
+    its saved data read through a Redis of this command's own that saves nothing back."""
     from gateway.audit import export
+    from slogate.local_redis import LocalRedis
+    from slogate.up import private_redis_dir
 
-    for line in export(cfg.redis_url or "redis://127.0.0.1:6379/0", args.count):
-        print(line)
+    url, own = cfg.redis_url, None
+    private = private_redis_dir(cfg)
+    if not url and (private / "url").exists():
+        url = (private / "url").read_text().strip()
+    elif not url and (private / "dump.rdb").exists():
+        own = LocalRedis(private).start()
+        url = own.url
+    url = url or DEFAULT_REDIS_URL
+    sent = 0
+    try:
+        for line in export(url, args.count):
+            print(line)
+            sent += 1
+    finally:
+        if own is not None:
+            own.stop()
+    print(f"slogate: exported {sent} audit entries from {own.state_dir if own else redacted(url)}", file=sys.stderr)
 
 
 def cmd_gen_key(args: argparse.Namespace, cfg: Config) -> None:
@@ -103,7 +125,8 @@ def cmd_gen_key(args: argparse.Namespace, cfg: Config) -> None:
 def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
     from slogate.up import run_up
 
-    sys.exit(run_up(cfg, engine=args.engine, options=engine_options(args.option)))
+    sys.exit(run_up(cfg, engine=args.engine, options=engine_options(args.option),
+                    config_path=args.config or os.environ.get("SLOGATE_CONFIG")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"slogate: configuration error: {exc}", file=sys.stderr)
         sys.exit(CANNOT_START)
-    except (ValueError, RuntimeError) as exc:
+    except RedisError as exc:  # Redis may come back: a supervisor should restart, not give up
+        print(f"slogate: Redis is unreachable: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except (ValueError, RuntimeError, OSError) as exc:  # a port in use, a file that cannot be read
         print(f"slogate: {exc}", file=sys.stderr)
         sys.exit(CANNOT_START)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
 import yaml
@@ -102,6 +103,18 @@ def _bool(value: str) -> bool:
 _COERCE = {int: int, float: float, str: str, bool: _bool}
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+"""Where every process looks for Redis when none is configured (``slogate up`` starts its own)."""
+
+def redacted(url: str) -> str:
+    """``url`` fit for a log line: a password in it becomes ``***``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,
                 overrides: dict[str, Any] | None = None) -> Config:
     """Read the YAML file (or defaults), apply ``SLOGATE_<KEY>`` env vars, then CLI overrides."""
@@ -114,13 +127,16 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+            mark = getattr(exc, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"config file {path} is not valid YAML: {problem}{where}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         raw.update(loaded)
     for name, field_type in _scalar_fields().items():
         value = env.get(f"SLOGATE_{name.upper()}")
-        if value is not None:
+        if value:  # set but empty (compose's ${VAR:-}) is unset, not an empty setting
             raw[name] = _parse_env(name, value, field_type)
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     pools = raw.pop("pools", None)
@@ -169,6 +185,8 @@ def _check_ranges(cfg: Config) -> None:
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")
+    if cfg.port > 65535:
+        raise ConfigError(f"port: must be at most 65535, got {cfg.port}")
     if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:
         raise ConfigError("heartbeat_ttl_s: must exceed heartbeat_interval_s, or live workers flicker")
     if cfg.log_format not in ("json", "text"):

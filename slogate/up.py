@@ -72,12 +72,20 @@ def _worker_commands(cfg: Config, engine: str | None, options: dict[str, Any]) -
     return cmds
 
 
-def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | None = None) -> int:
+def private_redis_dir(cfg: Config) -> Path:
+    """Where ``up``'s own Redis keeps its data, and while it runs, its URL (in ``url``)."""
+    return Path(cfg.state_dir).resolve() / "redis"
+
+
+def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | None = None,
+           config_path: str | None = None) -> int:
+    """``config_path``: the file ``cfg`` was read from, which every process started here reads too."""
     state_dir = Path(cfg.state_dir).resolve()
     redis = None
     if not cfg.redis_url:
-        redis = LocalRedis(state_dir / "redis", persist=True).start()
+        redis = LocalRedis(private_redis_dir(cfg), persist=True).start()
         cfg.redis_url = redis.url
+        (redis.state_dir / "url").write_text(redis.url)
         log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
     if engine is None and not cfg.model and any(p.engine in REAL_ENGINES for p in cfg.pools.values()):
         cfg.model = _tiny_model(state_dir)
@@ -85,7 +93,7 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     env.setdefault("OMP_NUM_THREADS", str(shared_core_threads(cfg)))
     if cfg.model:
         env["SLOGATE_MODEL"] = cfg.model
-    config_args = ["--config", os.environ["SLOGATE_CONFIG"]] if os.environ.get("SLOGATE_CONFIG") else []
+    config_args = ["--config", str(Path(config_path).resolve())] if config_path else []
     gateway_cmd = [sys.executable, "-m", "slogate.cli", *config_args, "gateway", "--port", str(cfg.port),
                    "--host", cfg.host]
     worker_cmds = [[*c[:3], *config_args, *c[3:]] for c in _worker_commands(cfg, engine, options or {})]
@@ -133,5 +141,6 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
             except subprocess.TimeoutExpired:
                 proc.kill()
         if redis is not None:
+            (redis.state_dir / "url").unlink(missing_ok=True)
             redis.stop()
     return code

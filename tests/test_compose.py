@@ -38,6 +38,14 @@ def test_gateway_image_has_no_torch() -> None:
     assert "[engines]" not in text
 
 
+def test_gateway_replicas_can_each_publish_a_port() -> None:
+    """``--scale gateway=N`` (the header's advice) fails on one fixed host port."""
+    (published,) = COMPOSE["services"]["gateway"]["ports"]
+    host, container = published.rsplit(":", 1)
+    first, _, last = host.partition("-")
+    assert container == "8000" and int(last) - int(first) >= 3
+
+
 def test_workers_depend_on_healthy_redis() -> None:
     for name, svc in COMPOSE["services"].items():
         if name.startswith(("worker", "gateway")):

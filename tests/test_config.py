@@ -1,6 +1,6 @@
 import pytest
 
-from slogate.config import ConfigError, load_config
+from slogate.config import ConfigError, load_config, redacted
 
 
 def test_defaults() -> None:
@@ -34,3 +34,29 @@ def test_bad_values_name_the_key(tmp_path, yaml_text: str, key: str) -> None:
 def test_bad_env_value_names_the_variable() -> None:
     with pytest.raises(ConfigError, match="SLOGATE_PORT"):
         load_config(env={"SLOGATE_PORT": "x"})
+
+
+def test_an_empty_env_var_is_unset(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("redis_url: redis://127.0.0.1:18379/0\nport: 9000\n")
+    cfg = load_config(path, env={"SLOGATE_REDIS_URL": "", "SLOGATE_PORT": ""})
+    assert (cfg.redis_url, cfg.port) == ("redis://127.0.0.1:18379/0", 9000)
+
+
+def test_a_port_beyond_65535_is_refused() -> None:
+    with pytest.raises(ConfigError, match="port: must be at most 65535"):
+        load_config(env={"SLOGATE_PORT": "70000"})
+
+
+def test_broken_yaml_is_one_line_naming_where(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("port: 9000\npools: [a, b\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert "\n" not in str(info.value) and "line 3" in str(info.value)
+
+
+def test_passwords_are_redacted_from_urls() -> None:
+    assert redacted("redis://user:s3cret@cache:6380/1") == "redis://user:***@cache:6380/1"
+    assert redacted("redis://:s3cret@cache/0") == "redis://:***@cache/0"
+    assert redacted("redis://cache:6379/0") == "redis://cache:6379/0"

@@ -55,11 +55,21 @@ async def test_redis_outage_gives_503_then_recovers(own_redis: LocalRedis) -> No
         statuses = [await post(stack, SCORE, timeout=5) for _ in range(5)]
         assert set(statuses) == {503}
         stack.wait_http("/readyz", status=503, timeout=5)
+        metrics = http_get(stack.url + "/metrics")[1].decode()
+        refused = counter(metrics, "slogate_rejected_requests_total", 'status="503"')
+        queued = counter(metrics, "slogate_requests_total", 'outcome="redis_unavailable"')
+        assert refused + queued == 6, "each 503 is counted once: refused before queueing, or queued and failed"
+        assert queued >= 1, "the request caught in flight was queued"
         own_redis.start()
         stack.wait_http("/readyz", status=200, timeout=20)
         assert await post(stack, SCORE) == 200, "the gateway and workers recover without a restart"
     finally:
         stack.stop()
+
+
+def counter(metrics: str, name: str, label: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name + "{") and label in line)
 
 
 async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> None:
@@ -75,6 +85,23 @@ async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> No
         assert http_get(stack.url + "/readyz")[0] == 503
         assert await slow == 200, "work in flight finishes within the grace period"
         assert gateway.wait(timeout=10) == 0
+    finally:
+        stack.stop()
+
+
+async def test_requests_still_open_when_the_grace_ends_are_cut_off(redis_server: LocalRedis) -> None:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
+    gateway = stack.gateway("--grace", "0.3")
+    stack.worker("interactive", "sim", "decode_base_s=0.02", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    try:
+        long = asyncio.create_task(post(stack, {**SCORE, "max_tokens": 1000}, timeout=30))  # 20 s of decode
+        await asyncio.sleep(0.3)
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(timeout=10) == 0, "the gateway exits once the grace is over"
+        with pytest.raises(aiohttp.ClientError):
+            await long
     finally:
         stack.stop()
 

@@ -6,12 +6,16 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from gateway.auth import hash_key
 from slogate.local_redis import free_port
 from slogate.processes import http_get, python_path
 
@@ -36,10 +40,12 @@ def up_env(tmp_path: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None) -> Iterator[subprocess.Popen[str]]:
-    """``slogate up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", *args], env=up_env(tmp_path), cwd=tmp_path,
-                          stderr=stderr, text=True)
+def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None,
+               config: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """``slogate [--config CONFIG] up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
+    top = ["--config", str(config)] if config else []
+    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", *top, "up", *args], env=up_env(tmp_path),
+                          cwd=tmp_path, stderr=stderr, text=True)
     try:
         yield up
     finally:
@@ -68,6 +74,34 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert up.wait(timeout=60) == 0
         assert not any(alive(pid) for pid in kids), "every process of the stack is gone"
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 0
+
+
+def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp_path: Path) -> None:
+    port = free_port()
+    config = tmp_path / "slogate.yaml"
+    config.write_text(f"port: {port}\napi_keys:\n  - {{id: payments, sha256: {hash_key('sk-pay')}}}\n")
+    score = json.dumps({"model": "slogate-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+
+    def post(key: str | None) -> int:
+        headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", score.encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with slogate_up(tmp_path, "--engine", "sim", config=config) as up:
+        wait_ready(up, port, 60)
+        assert post(None) == 401, "the gateway started by up reads the api_keys of the file given to up"
+        assert post("sk-pay") == 200
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    export = subprocess.run([sys.executable, "-m", "slogate.cli", "--config", str(config), "audit-export"],
+                            env=up_env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert export.returncode == 0, export.stderr
+    assert sorted(json.loads(line)["status"] for line in export.stdout.splitlines()) == [200, 401]
+    assert "exported 2 audit entries" in export.stderr
 
 
 def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
@@ -101,3 +135,25 @@ def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_mod
     assert up.returncode == 0
     assert "the engine process exited with code -9" in err
     assert "worker exited with code 1; restarting it" in err
+
+
+def test_start_up_failures_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A port in use is the operator's to fix, like a bad config: one line, exit 2 (``up`` then
+    stops instead of restarting); an unreachable Redis may come back: exit 1."""
+    def slogate(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "slogate.cli", *args], env={**up_env(tmp_path), **env},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        gateway = slogate("gateway", "--host", "127.0.0.1", "--port", port)
+        worker = slogate("worker", "--pool", "interactive", "--engine", "sim", "--metrics-port", port)
+    unreachable = slogate("audit-export", SLOGATE_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+    for run, code in ((gateway, 2), (worker, 2), (unreachable, 1)):
+        assert run.returncode == code, run.stderr
+        assert "Traceback" not in run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith("slogate: ")
+    assert "address already in use" in gateway.stderr.lower()
+    assert "Redis is unreachable" in unreachable.stderr
