@@ -60,10 +60,10 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
             continue
         if decision.admitted:
             return decision
-        raise _refusal(state, cls, decision)
+        raise _refusal(state, cls, decision, parsed.model)
 
 
-def _refusal(state: GatewayState, cls: str, d: Decision) -> APIError:
+def _refusal(state: GatewayState, cls: str, d: Decision, model: str) -> APIError:
     headers = {"x-slogate-class": cls, "x-slogate-reason": d.reason}
     predicted = f"{d.predicted_s * 1000:.0f} ms" if d.predicted_s is not None else "unknown"
     if d.outcome == "expired":
@@ -72,7 +72,7 @@ def _refusal(state: GatewayState, cls: str, d: Decision) -> APIError:
     headers.update(retry_headers(d.retry_after_s))
     if d.outcome == "unavailable":
         what = ("its pool keeps failing and is paused" if d.reason == "circuit-open"
-                else "no live worker can serve it")
+                else "no live worker can serve it" + _served_elsewhere(state, cls, model))
         return APIError(503, f"{cls} request refused: {what}; retry after {d.retry_after_s:g} s", None,
                         d.reason.replace("-", "_"), headers)
     objective = state.admission.objective(False) * 1000
@@ -88,6 +88,18 @@ def _refusal(state: GatewayState, cls: str, d: Decision) -> APIError:
     }
     return APIError(429, messages.get(d.reason, f"request shed ({d.reason})"), None, d.reason.replace("-", "_"),
                     headers)
+
+
+def _served_elsewhere(state: GatewayState, cls: str, model: str) -> str:
+    """Where a model no pool of ``cls`` serves is served after all, and how to get there."""
+    routing = state.cfg.policies.routing
+    serving = set(state.directory.view.pools_serving(model))
+    if serving & set(routing.pools[cls]):
+        return ""
+    other = "batch" if cls == "interactive" else "interactive"
+    if serving & set(routing.pools[other]):
+        return f" in the {cls} pools, only in {other} pools (send it with x-slogate-class: {other})"
+    return ""
 
 
 def _fixed_route(state: GatewayState, parsed: ParsedRequest, cls: str) -> Decision:

@@ -49,6 +49,8 @@ def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
+    if not args.pool.strip():
+        raise ConfigError("--pool: must name a pool")
     from engines.engine_process import EngineDied
     from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
     from engines.worker import run_worker
@@ -117,8 +119,9 @@ def cmd_audit_export(args: argparse.Namespace, cfg: Config) -> None:
 
 
 def cmd_gen_key(args: argparse.Namespace, cfg: Config) -> None:
-    from slogate.crypto import generate_key
+    from slogate.crypto import check_key_id, generate_key
 
+    check_key_id(args.id, "--id: ")  # refused now, not when the key is deployed
     print(f"{args.id}:{generate_key()}")
 
 

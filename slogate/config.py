@@ -180,8 +180,9 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 
 def _check_ranges(cfg: Config) -> None:
-    positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes", "default_max_tokens", "max_timeout_s", "heartbeat_interval_s",
-                "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
+    positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
+                "default_max_tokens", "max_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s",
+                "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")

@@ -52,6 +52,11 @@ def generate_key() -> str:
     return base64.b64encode(os.urandom(KEY_BYTES)).decode()
 
 
+def check_key_id(kid: str, where: str = "") -> None:
+    if not _KEY_ID.fullmatch(kid):
+        raise KeyRingError(f"{where}key id {kid!r} must be 1-64 of letters, digits, '.', '_', '-'")
+
+
 def parse_key_ring(text: str) -> KeyRing:
     """Parse ``"kid2:BASE64,kid1:BASE64"``: the first key seals, all of them open.
 
@@ -66,9 +71,7 @@ def parse_key_ring(text: str) -> KeyRing:
         kid = kid.strip()
         if not sep:
             raise KeyRingError(f"encryption keys: entry {position} has no ':'; expected KEY_ID:BASE64_KEY")
-        if not _KEY_ID.fullmatch(kid):
-            raise KeyRingError(f"encryption keys: entry {position}: key id {kid!r} must be 1-64 of "
-                               "letters, digits, '.', '_', '-'")
+        check_key_id(kid, f"encryption keys: entry {position}: ")
         try:
             key = base64.b64decode(encoded.strip(), validate=True)
         except (binascii.Error, ValueError):

@@ -175,3 +175,13 @@ def test_sealer_rejects_a_bad_ring_given_directly() -> None:
         Sealer([("k1", b"short")])
     with pytest.raises(KeyRingError, match="'k1'"):
         Sealer([("k1", b"x" * 32), ("k1", b"y" * 32)])
+
+
+def test_gen_key_prints_only_entries_the_ring_accepts(capsys: pytest.CaptureFixture[str]) -> None:
+    from slogate.cli import main
+
+    main(["gen-key", "--id", "k2"])
+    assert [kid for kid, _ in parse_key_ring(capsys.readouterr().out.strip())] == ["k2"]
+    with pytest.raises(SystemExit) as info:
+        main(["gen-key", "--id", "a,b"])
+    assert info.value.code == 2 and "key id" in capsys.readouterr().err

@@ -61,3 +61,20 @@ async def test_too_long_for_the_objective_is_told_to_go_batch(overloaded: Stack)
     assert headers["x-should-retry"] == "false" and "Retry-After" not in headers and "retry-after-ms" not in headers
     status, _, headers = await post(overloaded.url, body, **{"x-slogate-class": "batch"})
     assert status == 200 and headers["x-slogate-pool"] == "batch"
+
+
+async def test_a_model_served_only_by_the_other_class_says_where(tmp_path) -> None:
+    server = LocalRedis(tmp_path / "redis").start()
+    stack = Stack(server.url, dict(FAST_FLEET))
+    try:
+        stack.gateway()
+        stack.worker("batch", "sim", "decode_base_s=0.001")
+        stack.wait_models(MODEL)
+        status, err, _ = await post(stack.url, SCORE, **{"x-slogate-class": "interactive"})
+        assert status == 503 and err["error"]["code"] == "no_workers"
+        assert "only in batch pools (send it with x-slogate-class: batch)" in err["error"]["message"]
+        status, _, _ = await post(stack.url, SCORE, **{"x-slogate-class": "batch"})
+        assert status == 200
+    finally:
+        stack.stop()
+        server.stop()
