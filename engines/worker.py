@@ -93,7 +93,8 @@ class Worker:
         log.info("worker %s serving pool %s with %s engine (model %s)", self.s.worker_id,
                  self.s.pool, self.engine.name, self.engine.model_id)
         tasks = [asyncio.create_task(coro) for coro in (
-            self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._cancel_loop())]
+            self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._cancel_loop(),
+            self._abandoned_loop())]
         try:
             await self._engine_loop()
         finally:
@@ -435,6 +436,27 @@ class Worker:
                 await asyncio.sleep(0.5)
             finally:
                 await pubsub.aclose()
+
+    async def _abandoned_loop(self) -> None:
+        """Stop the requests of gateways that are gone. A gateway that crashed sends no cancels,
+        and its requests would run to their end for nobody. Its ``alive`` key (renewed every
+        second) must be missing at two checks in a row, so a Redis that restarted empty a
+        moment ago stops nothing."""
+        missing_before: set[str] = set()
+        while True:
+            await asyncio.sleep(self.s.heartbeat_interval_s)
+            watched = sorted({job.req.alive for job in self.inflight.values() if job.req.alive})
+            try:
+                flags = await self.redis.mget(watched) if watched else []
+            except (RedisError, OSError):
+                continue
+            missing = {key for key, flag in zip(watched, flags) if flag is None}
+            gone, missing_before = missing & missing_before, missing
+            if gone:
+                jobs = [job for rid, held in list(self.inflight.items())
+                        if held.req.alive in gone and (job := self._abort(rid)) is not None]
+                log.warning("stopped %d request(s) whose gateway is gone", len(jobs))
+                self._drop(jobs)
 
     def heartbeat(self) -> Heartbeat:
         load = self.engine.load()

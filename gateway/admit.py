@@ -60,10 +60,10 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
             continue
         if decision.admitted:
             return decision
-        raise _refusal(state, cls, decision, parsed.model)
+        raise _refusal(state, cls, decision, parsed)
 
 
-def _refusal(state: GatewayState, cls: str, d: Decision, model: str) -> APIError:
+def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) -> APIError:
     headers = {"x-slogate-class": cls, "x-slogate-reason": d.reason}
     predicted = f"{d.predicted_s * 1000:.0f} ms" if d.predicted_s is not None else "unknown"
     if d.outcome == "expired":
@@ -72,14 +72,16 @@ def _refusal(state: GatewayState, cls: str, d: Decision, model: str) -> APIError
     headers.update(retry_headers(d.retry_after_s))
     if d.outcome == "unavailable":
         what = ("its pool keeps failing and is paused" if d.reason == "circuit-open"
-                else "no live worker can serve it" + _served_elsewhere(state, cls, model))
+                else "no live worker can serve it" + _served_elsewhere(state, cls, parsed.model))
         return APIError(503, f"{cls} request refused: {what}; retry after {d.retry_after_s:g} s", None,
                         d.reason.replace("-", "_"), headers)
-    objective = state.admission.objective(False) * 1000
+    objective = state.admission.objective(parsed.stream) * 1000
+    budget = state.admission.budget(parsed.stream) * 1000
     messages = {
-        "overloaded": f"{cls} capacity is full: predicted latency {predicted} would miss the "
-                      f"{objective:.0f} ms objective; retry after {d.retry_after_s:g} s",
-        "exceeds-objective": f"this request alone is predicted to take {predicted}, beyond the "
+        "overloaded": f"{cls} capacity is full: this request (predicted {predicted}) and those admitted "
+                      f"before it cannot all finish within the {objective:.0f} ms objective (admission "
+                      f"targets {budget:.0f} ms); retry after {d.retry_after_s:g} s",
+        "exceeds-objective": f"this request is predicted to take {predicted} even on an idle pool, beyond the "
                              f"{objective:.0f} ms interactive objective; send it as batch "
                              f"(x-slogate-class: batch) or ask for fewer tokens",
         "batch-queue-full": f"the batch queue is full; retry after {d.retry_after_s:g} s",

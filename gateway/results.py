@@ -26,6 +26,10 @@ from slogate.protocol import Error, Result
 
 log = logging.getLogger("slogate.gateway")
 
+ALIVE_TTL_S = 5
+"""How long a gateway's ``alive`` key outlives its last renewal: the longest a crashed
+gateway's requests keep running on the workers, plus their two checks a second apart."""
+
 
 @dataclass
 class Subscription:
@@ -42,9 +46,12 @@ class ResultMux:
         self.block_ms = block_ms
         self.count = count
         self.trim_every_s = trim_every_s
-        self.key = keys.replies(uuid.uuid4().hex)
+        gateway_id = uuid.uuid4().hex
+        self.key = keys.replies(gateway_id)
+        self.alive = keys.alive(gateway_id)
         self._last = b"0-0"
         self._trimmed_at = 0.0
+        self._announced_at = 0.0
         self._subs: dict[bytes, Subscription] = {}
 
     def subscribe(self, request_id: str) -> Subscription:
@@ -58,6 +65,7 @@ class ResultMux:
 
     async def run(self) -> None:
         while True:
+            self._announce()
             try:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
             except (RedisError, OSError) as exc:
@@ -69,6 +77,14 @@ class ResultMux:
                     self._route(entry_id, fields)
                 self._last = entries[-1][0]
             self._trim()
+
+    def _announce(self) -> None:
+        """Renew ``alive`` (``ALIVE_TTL_S``) about once a second: this loop wakes at least
+        once a ``block_ms``."""
+        now = time.monotonic()
+        if now - self._announced_at >= 1.0:
+            self._announced_at = now
+            self.batcher.fire("SET", self.alive, b"1", "EX", ALIVE_TTL_S)
 
     def _trim(self) -> None:
         """Drop what has been read, at most once a ``trim_every_s``: the stream holds only
@@ -103,6 +119,6 @@ class ResultMux:
 
     async def close(self) -> None:
         try:
-            await self.redis.delete(self.key)
+            await self.redis.delete(self.key, self.alive)
         except RedisError:
             pass

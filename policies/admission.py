@@ -34,7 +34,8 @@ Outcome = Literal["admit", "wait", "shed", "unavailable", "expired"]
 class Decision:
     """``status`` is the HTTP status to answer with when not admitted: 429 (shed, wait),
     503 (unavailable), 504 (expired). ``reason`` is a short code for ``x-slogate-reason``;
-    ``retry_after_s`` 0 on a shed means retrying the same request will not help."""
+    ``retry_after_s`` 0 on a shed means retrying the same request will not help.
+    ``predicted_s``: the predicted latency (on an idle pool, for ``exceeds-objective``)."""
 
     outcome: Outcome
     reason: str
@@ -135,7 +136,7 @@ class AdmissionController:
         if self._probe_due(route.pool, now):
             return self._admit("probe", route, now)
         if pred.floor_service_s > self.objective(stream) / self.cfg.admission.margin:
-            return Decision("shed", "exceeds-objective", 429, 0.0, pred.total_s, route.pool, route.worker)
+            return Decision("shed", "exceeds-objective", 429, 0.0, pred.floor_service_s, route.pool, route.worker)
         if wait_budget < 0:  # fits an idle pool: the load makes each step slow
             late = pred.mean_hold_s
         else:

@@ -14,6 +14,12 @@ def replies(gateway_id: str) -> str:
     return f"{PREFIX}:r:{gateway_id}"
 
 
+def alive(gateway_id: str) -> str:
+    """Set while the gateway runs (it renews a short TTL): once it is gone, nobody reads the
+    answers of its requests, and workers stop them."""
+    return f"{PREFIX}:alive:{gateway_id}"
+
+
 def cancel(request_id: str) -> str:
     return f"{PREFIX}:cancel:{request_id}"
 

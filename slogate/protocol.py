@@ -68,6 +68,9 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
     stream: bool = False
     """Whether the client reads tokens as they come; if not, the worker sends the text once."""
     trace: dict[str, str] = {}
+    alive: str | None = None
+    """The key its gateway keeps set while it runs (``keys.alive``); a worker stops the request
+    once the key is gone. None: no key to watch (a gateway that does not set one)."""
     v: int = VERSION
 
 

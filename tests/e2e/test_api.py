@@ -204,7 +204,8 @@ async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
     await asyncio.sleep(2.2)  # the gateway trims what it has read once a second, idle or not
     client = redis.Redis.from_url(stack.redis_url)
     names = {k.decode() for k in client.scan_iter("*")}
-    per_request = {k for k in names if not k.startswith(("slogate:q:", "slogate:hb:", "slogate:r:", "slogate:audit"))}
+    per_gateway = ("slogate:r:", "slogate:alive:")
+    per_request = {k for k in names if not k.startswith(("slogate:q:", "slogate:hb:", "slogate:audit", *per_gateway))}
     replies = [k for k in names if k.startswith("slogate:r:")]
     queues = {p: client.xlen(f"slogate:q:{p}") for p in ("interactive", "batch")}
     pending = {p: client.xpending(f"slogate:q:{p}", "workers")["pending"] for p in queues}
@@ -212,6 +213,7 @@ async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
     client.close()
     assert per_request == set(), "no key may outlive the request that made it"
     assert len(replies) == 1, "one reply stream per gateway, none per request"
+    assert sum(k.startswith("slogate:alive:") for k in names) == 1, "one liveness key per gateway"
     assert reply_len <= 1, "read results are trimmed away"
     assert queues == {"interactive": 0, "batch": 0}
     assert pending == {"interactive": 0, "batch": 0}

@@ -14,7 +14,7 @@ import redis
 
 from slogate import protocol
 from slogate.local_redis import LocalRedis
-from tests.e2e.conftest import MODEL, start_stack
+from tests.e2e.conftest import FAST_FLEET, MODEL, start_stack
 from tests.e2e.test_api import sse_events
 from slogate.processes import Stack
 
@@ -143,3 +143,29 @@ async def test_worker_killed_mid_request_is_finished_by_another(slow_stack: Stac
     slow_stack.procs.remove(victim)
     slow_stack.worker("interactive", "sim", f"decode_base_s={STEP_S}", "decode_s_per_seq=0")
     client.close()
+
+
+def test_requests_of_a_gateway_that_died_stop_on_the_workers(tmp_path) -> None:
+    server = LocalRedis(tmp_path / "redis").start()
+    client = redis.Redis.from_url(server.url)
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
+    gateway = stack.gateway()
+    stack.worker("batch", "sim", f"decode_base_s={STEP_S}", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    try:
+        async def start_and_leave() -> None:
+            async with aiohttp.ClientSession() as s:
+                request = s.post(stack.url + "/v1/chat/completions", json=body(3000, stream=True),
+                                 headers={"x-slogate-class": "batch"})
+                async with request as r:
+                    await r.content.readline()  # running: 3,000 steps, a minute
+                    gateway.send_signal(signal.SIGKILL)
+                    gateway.wait()
+
+        asyncio.run(start_and_leave())
+        wait_for(lambda: running(client) == 1, 5, "the request to be running")
+        wait_for(lambda: running(client) == 0, 20, "the worker to stop the dead gateway's request")
+    finally:
+        stack.stop()
+        client.close()
+        server.stop()
