@@ -134,7 +134,7 @@ class Prediction:
     """Until the prompts admitted before this one are prefilled."""
     prompt_share_s: float = 0.0
     """What this request's prompt adds to ``prompts_ahead_s`` of the requests after it: its
-    prefill spread over the pool's workers."""
+    prefill at the workers' own cost (none before they report one), spread over the workers."""
     priced_share: float = 0.0
     """The share of the workers' time that the learned decode cost already gives to other
     requests' prompts: 1 - (the workers' own decode step / the learned cost per token)."""
@@ -272,10 +272,14 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, decode)
     step = load.decode_s_per_token + growth
     priced = 1.0 - step / decode if load.decode_s_per_token and decode else 0.0
+    # What a prompt takes of the engine, which is what later prompts wait behind: the workers'
+    # own figure (0 before they report one). The learned one is the first token's time less a
+    # step, which includes the hops to the worker: not engine time, and they queue no prompts.
+    engine_prefill = load.prefill_s_per_token
     return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream),
                       service_time(prefill, decode, prompt_tokens, max_tokens, False), mean_service,
                       max(in_flight - load.capacity, 0), prompts_ahead_s,
-                      prefill * prompt_tokens / load.workers, min(max(priced, 0.0), MAX_PRICED_SHARE),
+                      engine_prefill * prompt_tokens / load.workers, min(max(priced, 0.0), MAX_PRICED_SHARE),
                       floor_service(load, prefill, decode, prompt_tokens, max_tokens, stream))
 
 

@@ -200,3 +200,17 @@ def test_decode_grows_with_the_requests_in_flight_that_heartbeats_have_not_seen(
     assert burst.floor_service_s == pytest.approx(100 * 0.0001 + 8 * 0.009)  # one running, not two
     silent = aggregate([hb(running=2, decode=0.010, capacity=32)], "m", 108, est)  # a worker that does not say
     assert predict(20, silent, est, EST_CFG, 100, 8, False).service_s == pytest.approx(100 * 0.0001 + 8 * 0.010)
+
+
+def test_prompts_book_the_engine_time_the_workers_report_not_the_hops() -> None:
+    """The learned prompt cost carries the hops to the worker; booked as engine time, a
+    gateway in front of workers that take no time at all shed most of its load."""
+    est = PoolEstimate.prior(EST_CFG)
+    for _ in range(EST_CFG.min_samples):  # 5 ms to a first token, of which the engine took 1
+        est.observe(100, 8, queue_wait_s=0.0, ttft_s=0.005, e2e_s=0.012, cfg=EST_CFG)
+    timed = aggregate([hb(prefill=0.00001, decode=0.001), hb("v", prefill=0.00001, decode=0.001)], "m", 108, est)
+    p = predict(0, timed, est, EST_CFG, 100, 8, False)
+    assert p.service_s > 100 * 0.00004  # the latency still counts the hops
+    assert p.prompt_share_s == pytest.approx(100 * 0.00001 / 2)
+    idle_engines = aggregate([hb(prefill=0.0, decode=0.0)], "m", 108, est)
+    assert predict(0, idle_engines, est, EST_CFG, 100, 8, False).prompt_share_s == 0.0
