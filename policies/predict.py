@@ -19,7 +19,7 @@ import heapq
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from policies.config import Estimator
 
@@ -222,20 +222,37 @@ def unseen_growth(in_flight: int, load: PoolLoad) -> float:
     return load.decode_s_per_seq * max(extra, 0) / load.workers
 
 
-def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> tuple[float, float]:
-    """``(prefill_s_per_token, decode_s_per_token)`` for a pool: learned once there are enough
-    samples, else the workers' heartbeat figures, else the prior-seeded estimate. Prefill is
-    never taken below what the workers measure: the learned figure is what is left of the first
-    token once a decode step is taken off, and when other prompts share and slow that step
-    (bursts) nothing is left, which would make every prompt look free."""
+class Costs(NamedTuple):
+    prefill_fixed_s: float
+    """What a first token costs whatever the prompt's length (hops to the worker and back)."""
+    prefill_s_per_token: float
+    decode_s_per_token: float
+
+
+def costs(load: PoolLoad, est: PoolEstimate, cfg: Estimator) -> Costs:
+    """A pool's costs: learned once there are enough samples, else the workers' heartbeat
+    figures, else the prior-seeded estimate.
+
+    The learned prompt cost is a first token's time (less a step) over its prompt, so it spreads
+    what every first token pays (the hops) over the tokens of the prompts it was learned from.
+    Where the workers report their own cost per prompt token, that is the pace beyond: the rest
+    of the learned figure, at the pool's mean prompt, is the fixed part. Without the split, a
+    prompt ten times the mean was costed ten times the hops (a 2,000-token prompt that ran in
+    50 ms was predicted at over a second), and a short one nearly none. Prefill is never taken
+    below what the workers measure: when other prompts share and slow the step taken off
+    (bursts), nothing is left of the learned figure, which would make every prompt look free."""
+    engine = load.prefill_s_per_token
     if est.samples >= cfg.min_samples or not load.decode_s_per_token:
-        return max(est.prefill_s_per_token, load.prefill_s_per_token), est.decode_s_per_token
-    return load.prefill_s_per_token or est.prefill_s_per_token, load.decode_s_per_token
+        learned = max(est.prefill_s_per_token, engine)
+        if not engine:
+            return Costs(0.0, learned, est.decode_s_per_token)
+        return Costs((learned - engine) * est.prompt_tokens, engine, est.decode_s_per_token)
+    return Costs(0.0, engine or est.prefill_s_per_token, load.decode_s_per_token)
 
 
-def service_time(prefill_s_per_token: float, decode_s_per_token: float, prompt_tokens: int,
-                 max_tokens: int, stream: bool) -> float:
-    return prefill_s_per_token * prompt_tokens + decode_s_per_token * (1 if stream else max_tokens)
+def service_time(c: Costs, prompt_tokens: float, max_tokens: float, stream: bool) -> float:
+    return c.prefill_fixed_s + c.prefill_s_per_token * prompt_tokens + c.decode_s_per_token * (
+        1 if stream else max_tokens)
 
 
 def slot_wait(in_flight: int, capacity: int, own_ends: Collection[float], now: float,
@@ -265,31 +282,33 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     Non-decreasing in ``in_flight`` and in ``prompts_ahead_s``."""
     if load.capacity <= 0:
         return None
-    prefill, decode = costs(load, est, cfg)
+    c = costs(load, est, cfg)
     growth = unseen_growth(in_flight, load)
-    decode += growth
-    mean_service = prefill * est.prompt_tokens + decode * est.completion_tokens
-    wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, decode)
+    c = c._replace(decode_s_per_token=c.decode_s_per_token + growth)
+    mean_service = service_time(c, est.prompt_tokens, est.completion_tokens, False)
+    wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, c.decode_s_per_token)
     step = load.decode_s_per_token + growth
-    priced = 1.0 - step / decode if load.decode_s_per_token and decode else 0.0
+    priced = 1.0 - step / c.decode_s_per_token if load.decode_s_per_token and c.decode_s_per_token else 0.0
     # What a prompt takes of the engine, which is what later prompts wait behind: the workers'
-    # own figure (0 before they report one). The learned one is the first token's time less a
-    # step, which includes the hops to the worker: not engine time, and they queue no prompts.
-    engine_prefill = load.prefill_s_per_token
-    return Prediction(wait, service_time(prefill, decode, prompt_tokens, max_tokens, stream),
-                      service_time(prefill, decode, prompt_tokens, max_tokens, False), mean_service,
+    # own figure (0 before they report one), not the learned one, which carries the hops: they
+    # are not engine time, and no prompt queues behind them.
+    return Prediction(wait, service_time(c, prompt_tokens, max_tokens, stream),
+                      service_time(c, prompt_tokens, max_tokens, False), mean_service,
                       max(in_flight - load.capacity, 0), prompts_ahead_s,
-                      engine_prefill * prompt_tokens / load.workers, min(max(priced, 0.0), MAX_PRICED_SHARE),
-                      floor_service(load, prefill, decode, prompt_tokens, max_tokens, stream))
+                      load.prefill_s_per_token * prompt_tokens / load.workers,
+                      min(max(priced, 0.0), MAX_PRICED_SHARE),
+                      floor_service(load, c, prompt_tokens, max_tokens, stream))
 
 
-def floor_service(load: PoolLoad, prefill: float, decode: float, prompt_tokens: int, max_tokens: int,
-                  stream: bool) -> float:
-    """Service time on an idle pool: the workers' own prompt cost and their decode step with
-    one request running, where they report them; else the costs the prediction uses."""
+def floor_service(load: PoolLoad, c: Costs, prompt_tokens: int, max_tokens: int, stream: bool) -> float:
+    """Service time on an idle pool: engine time alone, at the workers' own prompt cost and
+    their decode step with one request running, where they report them; else the costs the
+    prediction uses. It decides that a request can never fit, which the client is told not to
+    retry, so it leaves out what load and hops may add."""
     if load.decode_s_per_token:
         busy = load.decode_s_per_seq * max(load.running / load.workers - 1, 0.0)
-        decode = min(decode, max(load.decode_s_per_token - busy, load.decode_s_per_seq))
+        idle_step = max(load.decode_s_per_token - busy, load.decode_s_per_seq)
+        c = c._replace(decode_s_per_token=min(c.decode_s_per_token, idle_step))
     if load.prefill_s_per_token:
-        prefill = min(prefill, load.prefill_s_per_token)
-    return service_time(prefill, decode, prompt_tokens, max_tokens, stream)
+        c = c._replace(prefill_fixed_s=0.0, prefill_s_per_token=min(c.prefill_s_per_token, load.prefill_s_per_token))
+    return service_time(c, prompt_tokens, max_tokens, stream)

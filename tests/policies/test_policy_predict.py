@@ -6,7 +6,7 @@ import pytest
 
 from policies.config import load
 from policies.inflight import InFlight
-from policies.predict import PoolEstimate, aggregate, costs, predict, slot_wait
+from policies.predict import PoolEstimate, aggregate, costs, predict, service_time, slot_wait
 from slogate.protocol import Heartbeat, ModelInfo
 
 EST_CFG = load({}).admission.estimator
@@ -59,16 +59,20 @@ def test_heartbeat_costs_until_enough_learned_samples() -> None:
     est = PoolEstimate.prior(EST_CFG)
     workers = [hb(decode=0.02, prefill=0.001, capacity=8), hb("v", decode=0.04, prefill=0.003, capacity=24)]
     load = aggregate(workers, None, 0, est)
-    assert costs(load, est, EST_CFG) == pytest.approx((0.0025, 0.035))  # capacity-weighted
+    assert costs(load, est, EST_CFG) == pytest.approx((0.0, 0.0025, 0.035))  # capacity-weighted
     for _ in range(EST_CFG.min_samples):
         est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.16, cfg=EST_CFG)
     learned = costs(load, est, EST_CFG)
     # Prefill is learned as 0.0005 per token, below what the workers measure: their floor holds.
-    assert learned == pytest.approx((0.0025, est.decode_s_per_token))
-    assert learned[1] != pytest.approx(0.035)
+    assert learned == pytest.approx((0.0, 0.0025, est.decode_s_per_token))
+    assert learned.decode_s_per_token != pytest.approx(0.035)
     for _ in range(EST_CFG.prefill_window):
         est.observe(100, 11, queue_wait_s=0.0, ttft_s=0.5, e2e_s=0.6, cfg=EST_CFG)
-    assert costs(load, est, EST_CFG)[0] == est.prefill_s_per_token > 0.0025
+    # 0.5 s to a first token of 100 tokens, 0.25 s of it the workers' own prompt cost: the rest
+    # is paid whatever the prompt's length.
+    learned = costs(load, est, EST_CFG)
+    assert learned.prefill_s_per_token == pytest.approx(0.0025) and est.prefill_s_per_token > 0.0025
+    assert learned.prefill_fixed_s == pytest.approx((est.prefill_s_per_token - 0.0025) * est.prompt_tokens)
 
 
 def test_prompts_admitted_ahead_are_a_wait_spread_over_the_workers() -> None:
@@ -86,7 +90,7 @@ def test_prompts_admitted_ahead_are_a_wait_spread_over_the_workers() -> None:
 def test_no_heartbeat_costs_fall_back_to_the_estimate() -> None:
     est = PoolEstimate.prior(EST_CFG)
     load = aggregate([hb(decode=0.0, prefill=0.0)], None, 0, est)
-    assert costs(load, est, EST_CFG) == (est.prefill_s_per_token, est.decode_s_per_token)
+    assert costs(load, est, EST_CFG) == (0.0, est.prefill_s_per_token, est.decode_s_per_token)
 
 
 def test_ewma_converges_to_measured_costs() -> None:
@@ -214,3 +218,17 @@ def test_prompts_book_the_engine_time_the_workers_report_not_the_hops() -> None:
     assert p.prompt_share_s == pytest.approx(100 * 0.00001 / 2)
     idle_engines = aggregate([hb(prefill=0.0, decode=0.0)], "m", 108, est)
     assert predict(0, idle_engines, est, EST_CFG, 100, 8, False).prompt_share_s == 0.0
+
+
+def test_a_long_prompt_is_costed_at_the_engine_pace_beyond_the_fixed_part() -> None:
+    # First tokens of 100-token prompts take 12 ms; the engine's share is 2 ms (0.02 ms a token).
+    est = PoolEstimate.prior(EST_CFG)
+    for _ in range(EST_CFG.prefill_window):
+        est.observe(100, 8, queue_wait_s=0.0, ttft_s=0.012 + 0.005, e2e_s=0.017 + 7 * 0.005, cfg=EST_CFG)
+    load = aggregate([hb(prefill=0.00002, decode=0.005)], "m", 0, est)
+    typical = predict(0, load, est, EST_CFG, 100, 1, True)
+    long = predict(0, load, est, EST_CFG, 2000, 1, True)
+    assert typical.service_s == pytest.approx(0.012 + 0.005)  # what was learned, at the mean prompt
+    assert long.service_s == pytest.approx(0.010 + 2000 * 0.00002 + 0.005)  # not 20 x 12 ms
+    assert long.floor_service_s == pytest.approx(2000 * 0.00002 + 0.005)  # engine time alone
+    assert service_time(costs(load, est, EST_CFG), 100, 1, True) == pytest.approx(typical.service_s)
