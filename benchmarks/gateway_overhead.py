@@ -1,7 +1,7 @@
 """What the gateway costs: the same risk-score load sent straight to a trivial OpenAI-shaped
 server, and through gateway + Redis + a sim worker with zero engine time.
 
-    python benchmarks/gateway_overhead.py [--duration 10] [--rate 2000]
+    python -m benchmarks.gateway_overhead [--duration 10] [--rates 1500,2000]
 
 Prints a table and saves it to benchmarks/results/gateway_overhead.md. Everything, the load
 generator included, runs on this machine.

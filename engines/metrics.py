@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker, named as in DESIGN.md; the gateway exports the pool-wide
+"""Prometheus metrics of one worker; the gateway exports the pool-wide
 view from heartbeats, a worker its own detail (step times, prefix-cache hits)."""
 
 from __future__ import annotations

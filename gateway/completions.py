@@ -294,29 +294,48 @@ async def _collect(job: _Job) -> web.Response:
     raise APIError(502, "the result stream ended without a final record", None, "worker_failed")
 
 
+STREAM_HOLD_S = 0.5
+"""How long a stream waits for its first record before it answers: a request the worker
+refuses at once (a prompt beyond the context) gets its own status, 400, as when not streamed,
+instead of a 200 and an error event; one still queued gets its headers soon all the same."""
+
+
 async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     relay = Relay(streamed=True, deterministic=job.gen.sampling.deterministic)
-    resp = web.StreamResponse(headers={
-        **job.headers, "content-type": "text/event-stream", "cache-control": "no-cache",
-        "x-request-id": request["request_id"], "x-accel-buffering": "no"})
-    await resp.prepare(request)
     chunks = shapes.ChunkWriter(job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id),
                                 int(job.arrived), job.gen.model)
-    if job.parsed.kind == "chat":
-        await resp.write(chunks.role())
+
+    async def start() -> web.StreamResponse:
+        resp = web.StreamResponse(headers={
+            **job.headers, "content-type": "text/event-stream", "cache-control": "no-cache",
+            "x-request-id": request["request_id"], "x-accel-buffering": "no"})
+        await resp.prepare(request)
+        if job.parsed.kind == "chat":
+            await resp.write(chunks.role())
+        return resp
+
+    resp = None
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(job.sub.arrived.wait(), STREAM_HOLD_S)
+    if not job.sub.arrived.is_set():
+        resp = await start()
     try:
         async for text, rec in _records(job, relay):
             if isinstance(rec, Delta):
+                resp = resp or await start()
                 use = shapes.usage(rec.prompt_tokens, rec.completion_tokens) if job.parsed.continuous_usage else None
                 await resp.write(chunks.text(text, use))
                 continue
             err = _final_error(job, rec)
             if err is not None:
                 raise err
+            resp = resp or await start()
             await resp.write(chunks.finish(rec.finish_reason))
             if job.parsed.include_usage:
                 await resp.write(chunks.usage(shapes.usage(rec.prompt_tokens, rec.completion_tokens)))
     except APIError as err:
+        if resp is None:  # nothing sent yet: the error is the answer, with its own status
+            raise
         await resp.write(shapes.sse_error(err.body()))
     await resp.write(shapes.DONE)
     await resp.write_eof()

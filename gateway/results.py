@@ -35,6 +35,8 @@ gateway's requests keep running on the workers, plus their two checks a second a
 class Subscription:
     request_id: str
     records: asyncio.Queue[Result] = field(default_factory=asyncio.Queue)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a record is queued: a stream waits for it before it answers (``STREAM_HOLD_S``)."""
 
 
 class ResultMux:
@@ -104,6 +106,7 @@ class ResultMux:
             sub = self._subs.get(request_id)
             if sub is not None:
                 sub.records.put_nowait(self._decode(sub, sealed))
+                sub.arrived.set()
 
     def _decode(self, sub: Subscription, sealed: bytes) -> Result:
         try:
@@ -116,6 +119,7 @@ class ResultMux:
     def _fail_all(self, message: str) -> None:
         for sub in list(self._subs.values()):
             sub.records.put_nowait(Error(message, "redis_unavailable", 503, attempt=0))
+            sub.arrived.set()
 
     async def close(self) -> None:
         try:

@@ -42,7 +42,15 @@ class StreamOptions(msgspec.Struct):
     """vLLM's extension: usage (tokens so far) on every chunk, not only after the last."""
 
 
-class _Common(msgspec.Struct):
+class ResponseFormat(msgspec.Struct):
+    type: str
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True):
+    """A parameter this gateway does not know is refused by name, not ignored: a client that
+    asks for constrained output (``guided_json``) or a sampler this gateway lacks must not get
+    an answer that silently lacks it."""
+
     model: str
     max_tokens: Int64 | None = None
     temperature: float | None = None
@@ -62,19 +70,24 @@ class _Common(msgspec.Struct):
     logprobs: bool | Int64 | None = None
     tools: list[Any] | None = None
     logit_bias: dict[str, float] | None = None
-
-
-class ResponseFormat(msgspec.Struct):
-    type: str
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    """Accepted and without effect here: bookkeeping for OpenAI's platform, or (tool calls)
+    moot while tools are refused."""
 
 
 class ChatBody(_Common):
     messages: list[Message] = msgspec.field(default_factory=list)
     max_completion_tokens: Int64 | None = None
-    response_format: ResponseFormat | None = None
     functions: list[Any] | None = None
     """The deprecated form of ``tools``."""
     tool_choice: Any = None
+    function_call: Any = None
     top_logprobs: Int64 | None = None
     modalities: list[str] | None = None
     audio: Any = None
@@ -113,6 +126,7 @@ class ParsedRequest:
 _decoders = {"chat": msgspec.json.Decoder(ChatBody), "completion": msgspec.json.Decoder(CompletionBody)}
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int,
@@ -135,6 +149,11 @@ def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: 
 
 def _validation_error(text: str) -> APIError:
     at = _AT.search(text)
+    unknown = _UNKNOWN.search(text)
+    if unknown:
+        name = unknown.group(1)
+        return bad_request(f"unknown parameter '{name}': this gateway does not support it", name,
+                           "unsupported_parameter")
     missing = _MISSING.search(text)
     if missing:
         where = at.group(1) if at else ""
@@ -157,13 +176,14 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request("logprobs are not supported by this gateway", "logprobs", "unsupported_value")
     if raw.logit_bias:
         raise bad_request("logit_bias is not supported by this gateway", "logit_bias", "unsupported_value")
+    if raw.response_format is not None and raw.response_format.type != "text":
+        raise bad_request(f"response_format '{raw.response_format.type}' is not supported: this gateway does "
+                          "not constrain output to JSON (only 'text')", "response_format.type",
+                          "unsupported_value")
     if isinstance(raw, ChatBody):
-        if raw.functions:
-            raise bad_request("function calling is not supported by this gateway", "functions", "unsupported_value")
-        if raw.response_format is not None and raw.response_format.type != "text":
-            raise bad_request(f"response_format '{raw.response_format.type}' is not supported: this gateway does "
-                              "not constrain output to JSON (only 'text')", "response_format.type",
-                              "unsupported_value")
+        if raw.functions or raw.function_call not in (None, "none"):
+            raise bad_request("function calling is not supported by this gateway",
+                              "functions" if raw.functions else "function_call", "unsupported_value")
         if raw.tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools, and tool calling is not supported by this gateway",
                               "tool_choice", "unsupported_value")

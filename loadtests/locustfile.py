@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from locust import FastHttpUser, between, events, task
 WORKLOAD = Path(os.environ.get(
     "SLOGATE_WORKLOAD", Path(__file__).resolve().parents[2] / "shared" / "workloads" / "risk-mix.jsonl"))
 MODEL = os.environ.get("SLOGATE_MODEL_NAME", "slogate-sim")
+FIRST_TEXT = re.compile(rb'"content":"[^"]')
+"""A chunk that carries text: the role chunk before it has empty content."""
 
 
 def _load(path: Path) -> tuple[list[dict], list[dict]]:
@@ -67,8 +70,10 @@ class ReportWriter(FastHttpUser):
             if resp.status_code != 200:
                 resp.failure(f"{resp.status_code}")
                 return
-            for line in resp.iter_lines() if hasattr(resp, "iter_lines") else resp.text.splitlines():
-                if first is None and line and b'"content"' in (line if isinstance(line, bytes) else line.encode()):
+            seen = b""
+            for chunk in resp.iter_content(chunk_size=512, decode_content=False):
+                seen = seen[-32:] + chunk  # a match may straddle two chunks
+                if first is None and FIRST_TEXT.search(seen):
                     first = time.perf_counter()
         if first is not None:
             events.request.fire(request_type="TTFT", name="credit-report",

@@ -103,6 +103,8 @@ class Feedback(_Section, frozen=True):
     quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99
     tighten: Growth = 1.25
     relax: Growth = 1.05
+    """The smallest relaxing step; a quantile further under the headroom relaxes by up to
+    ``headroom / quantile``, never by more than ``tighten``."""
     headroom: Fraction = 0.7
     """Relax only when the quantile is below this fraction of the objective."""
     min_factor: PosFloat = 0.5

@@ -6,7 +6,9 @@ requests actually took, as a fraction of their objective. Each full window gives
 its quantile over 1 tightens (the factor grows, so fewer requests look admissible), under the
 headroom relaxes; the factor stays within bounds. The window restarts after each verdict, so
 a verdict judges only requests admitted under the current factor and one bad burst cannot
-tighten again and again while it ages out.
+tighten again and again while it ages out. It relaxes by more the further the quantile is under
+the headroom (up to the step it tightens by), so after a burst an idle pool opens up again
+within a few windows.
 """
 
 from __future__ import annotations
@@ -36,4 +38,7 @@ class LatencyFeedback:
         if q > 1.0:
             self.factor = min(self.factor * self.cfg.tighten, self.cfg.max_factor)
         elif q < self.cfg.headroom:
-            self.factor = max(self.factor / self.cfg.relax, self.cfg.min_factor)
+            # The further under, the faster: a factor a burst left high would otherwise hold an
+            # idle pool shut for minutes. Never faster than it tightens.
+            step = min(max(self.cfg.headroom / q if q > 0 else self.cfg.tighten, self.cfg.relax), self.cfg.tighten)
+            self.factor = max(self.factor / step, self.cfg.min_factor)

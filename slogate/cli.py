@@ -1,4 +1,5 @@
-"""The ``slogate`` command: ``up`` (everything), ``gateway``, ``worker`` and ``tiny-model``."""
+"""The ``slogate`` command: ``up`` (everything), ``gateway``, ``worker``, ``audit-export``,
+``gen-key``, ``hash-key`` and ``tiny-model``."""
 
 from __future__ import annotations
 
@@ -135,9 +136,14 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slogate", description=__doc__)
     parser.add_argument("--config", help="YAML config file (default: $SLOGATE_CONFIG)")
+    common = argparse.ArgumentParser(add_help=False)  # so that --config may follow the command too
+    common.add_argument("--config", default=argparse.SUPPRESS, help="YAML config file (default: $SLOGATE_CONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run Redis (unless SLOGATE_REDIS_URL is set), the gateway and "
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    up = add("up", help="run Redis (unless SLOGATE_REDIS_URL is set), the gateway and "
                                    "one worker per pool, and stop them all on Ctrl-C")
     up.add_argument("--model", help="local model directory or hub id (default: build the tiny model)")
     up.add_argument("--engine", choices=["sim"], help="sim: simulated engines in every pool")
@@ -146,14 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="engine option for every worker (e.g. -o decode_base_s=0.004)")
     up.set_defaults(func=cmd_up)
 
-    gw = sub.add_parser("gateway", help="run one gateway process")
+    gw = add("gateway", help="run one gateway process")
     gw.add_argument("--port", type=int)
     gw.add_argument("--host")
     gw.add_argument("--grace", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     gw.add_argument("--cpus", help="run on these CPUs only, e.g. 0 or 0,2-3 (default: any)")
     gw.set_defaults(func=cmd_gateway)
 
-    wk = sub.add_parser("worker", help="run one engine worker for a pool")
+    wk = add("worker", help="run one engine worker for a pool")
     wk.add_argument("--pool", required=True)
     wk.add_argument("--engine", choices=["sim", "stream", "paged"])
     wk.add_argument("--model")
@@ -171,19 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--grace", type=float, default=30.0)
     wk.set_defaults(func=cmd_worker)
 
-    au = sub.add_parser("audit-export", help="print the audit trail as JSON lines, oldest first")
+    au = add("audit-export", help="print the audit trail as JSON lines, oldest first")
     au.add_argument("--count", type=int, help="at most this many records")
     au.set_defaults(func=cmd_audit_export)
 
-    gk = sub.add_parser("gen-key", help="print a new AES-256 key entry for encryption_keys")
+    gk = add("gen-key", help="print a new AES-256 key entry for encryption_keys")
     gk.add_argument("--id", default="k1", help="the key's id in the ring")
     gk.set_defaults(func=cmd_gen_key)
 
-    hk = sub.add_parser("hash-key", help="print the sha256 of an API key for the api_keys config")
+    hk = add("hash-key", help="print the sha256 of an API key for the api_keys config")
     hk.add_argument("secret", nargs="?", help="the key (default: read one line from stdin)")
     hk.set_defaults(func=cmd_hash_key)
 
-    tm = sub.add_parser("tiny-model", help="build the small local test model (no download)")
+    tm = add("tiny-model", help="build the small local test model (no download)")
     tm.add_argument("dir")
     tm.add_argument("--size", choices=["tiny", "100m"], default="tiny")
     tm.add_argument("--seed", type=int, default=0)

@@ -65,11 +65,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     """Off: every request is queued (for measuring what admission control buys)."""
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
+    """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
     max_messages: int = 256
     """Messages one chat request may carry."""
     max_streams_per_key: int = 64
     """Streams one API key may hold open at once, across all gateways (enforced when keys are on)."""
-    """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
     max_timeout_s: float = 3600.0
     """Largest deadline a client may ask for with ``x-slogate-timeout``; without the header a
     request gets its class's deadline from the policies."""

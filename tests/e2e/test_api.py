@@ -48,7 +48,8 @@ async def test_text_response_format_and_empty_logit_bias_are_accepted(stack: Sta
     """What asks for nothing this gateway cannot do is served; a JSON format or a bias is refused
     (``test_bad_input``)."""
     body = {**CHAT, "response_format": {"type": "text"}, "logit_bias": {}, "functions": [], "tool_choice": "none",
-            "top_logprobs": 0, "modalities": ["text"],
+            "top_logprobs": 0, "modalities": ["text"], "metadata": {"team": "risk"}, "store": False,
+            "parallel_tool_calls": False,
             "messages": [{"role": "assistant", "content": None}, *CHAT["messages"]]}
     async with aiohttp.ClientSession() as s, s.post(stack.url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200

@@ -53,6 +53,9 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "response_format": {"kind": "text"}}, "response_format.type",
      ["missing"]),
     ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice", ["not supported"]),
+    ({"model": MODEL, "messages": MSGS, "function_call": "auto"}, "function_call", ["not supported"]),
+    ({"model": MODEL, "messages": MSGS, "guided_json": {"type": "object"}}, "guided_json", ["unknown parameter"]),
+    ({"model": MODEL, "messages": MSGS, "repetition_penalty": 1.2}, "repetition_penalty", ["unknown parameter"]),
     ({"model": MODEL, "messages": MSGS, "top_logprobs": 5}, "top_logprobs", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "modalities": ["text", "audio"]}, "modalities", ["only text"]),
     ({"model": MODEL, "messages": MSGS, "audio": {"voice": "alloy", "format": "wav"}}, "audio", ["only text"]),
@@ -81,6 +84,10 @@ async def test_completions_missing_prompt_or_best_of_above_one(stack: Stack) -> 
     status, resp, _ = await call(stack, "/v1/completions", json_body={"model": MODEL, "prompt": "hi", "best_of": 3})
     assert status == 400
     assert_error(resp, "best_of", "best_of=1")
+    status, resp, _ = await call(stack, "/v1/completions", json_body={
+        "model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}})
+    assert status == 400
+    assert_error(resp, "response_format.type", "not supported")
 
 
 async def test_malformed_json(stack: Stack) -> None:
@@ -138,6 +145,11 @@ async def test_prompt_beyond_context_is_rejected_by_the_worker(stack: Stack) -> 
     assert status == 400
     assert "beyond the model's context" in resp["error"]["message"]
     assert (resp["error"]["code"], resp["error"]["param"]) == ("context_length_exceeded", "prompt")
+    # Streamed, the worker's refusal is the answer too: a 400, not a 200 and an error event.
+    status, resp, headers = await call(stack, CHAT, json_body={
+        "model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "max_tokens": 500, "stream": True})
+    assert status == 400 and headers["Content-Type"].startswith("application/json")
+    assert (resp["error"]["code"], resp["error"]["param"]) == ("context_length_exceeded", "messages")
 
 
 async def test_too_many_messages(stack: Stack) -> None:

@@ -27,11 +27,18 @@ def test_one_late_in_a_hundred_is_within_p99() -> None:
     assert fb.factor == 1.0  # P99 = 0.8: within objective, above headroom
 
 
-def test_headroom_relaxes() -> None:
+def test_headroom_relaxes_the_faster_the_further_under() -> None:
     fb = LatencyFeedback(CFG)
     window(fb, 1.5)
-    window(fb, 0.3)
+    window(fb, 0.65)  # just under the headroom: the smallest step
     assert fb.factor == pytest.approx(1.5 / 1.1)
+    window(fb, 0.56)  # 0.7 / 0.56 = 1.25
+    assert fb.factor == pytest.approx(1.5 / 1.1 / 1.25)
+    fb = LatencyFeedback(CFG)
+    window(fb, 1.5)
+    window(fb, 1.5)
+    window(fb, 0.1)  # far under: as fast as it tightens, no faster
+    assert fb.factor == pytest.approx(1.5)
 
 
 def test_no_verdict_before_the_window_fills() -> None:
