@@ -3,8 +3,9 @@
 It reads its pool's request stream through a consumer group, feeds the engine between steps,
 writes each step's output to the request's result stream, and acknowledges a request only
 once its final record is written. A worker that dies therefore leaves its requests pending,
-and a live one claims them after ``claim_idle_s``; live workers keep their own entries fresh
-so that a long generation is never mistaken for an orphan.
+and a live one claims them once the dead one's heartbeat expires (or, whatever heartbeats say,
+after ``claim_idle_s``); live workers keep their own entries fresh so that a long generation is
+never mistaken for an orphan.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class Worker:
         log.info("worker %s serving pool %s with %s engine (model %s)", self.s.worker_id,
                  self.s.pool, self.engine.name, self.engine.model_id)
         tasks = [asyncio.create_task(coro) for coro in (
-            self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._cancel_loop(),
-            self._abandoned_loop())]
+            self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._departed_loop(),
+            self._cancel_loop(), self._abandoned_loop())]
         try:
             await self._engine_loop()
         finally:
@@ -501,6 +502,49 @@ class Worker:
             self.queue, keys.GROUP, self.s.worker_id, idle_ms, "0-0", count=self._room())
         if deleted:
             await self.redis.xack(self.queue, keys.GROUP, *deleted)
+        await self._take_over(entries)
+
+    async def _departed_loop(self) -> None:
+        """Take over what a worker whose heartbeat has expired held, as soon as it expires.
+
+        ``claim_idle_s`` must outlast the pauses of a live worker, so waiting for it left a
+        stream silent for 15-30 s when its worker died. A heartbeat is renewed every
+        ``heartbeat_interval_s``; one gone past its TTL means the worker is gone, and what it
+        held has been idle at least that long, which the claim requires (so of two workers
+        that see it, one wins). Departed consumers that hold nothing leave the group."""
+        ttl_ms = int(self.s.heartbeat_ttl_s * 1000)
+        while not self._stopping.is_set():
+            await asyncio.sleep(self.s.heartbeat_interval_s)
+            try:
+                await self._claim_departed(ttl_ms)
+            except (RedisError, OSError) as exc:
+                if "NOGROUP" not in str(exc):
+                    log.warning("takeover pass failed: %s", exc)
+
+    async def _claim_departed(self, ttl_ms: int) -> None:
+        consumers = [c for c in await self.redis.xinfo_consumers(self.queue, keys.GROUP)
+                     if _text(c["name"]) != self.s.worker_id]
+        if not consumers:
+            return
+        beats = await self.redis.mget([keys.heartbeat(self.s.pool, _text(c["name"])) for c in consumers])
+        for consumer, beat in zip(consumers, beats):
+            name = _text(consumer["name"])
+            if beat is not None:
+                continue
+            if not consumer["pending"]:
+                if consumer["idle"] > 10 * ttl_ms:  # not one that has yet to send its first heartbeat
+                    await self.redis.xgroup_delconsumer(self.queue, keys.GROUP, name)
+                continue
+            room = self._room()
+            if not room:
+                return
+            held = await self.redis.xpending_range(self.queue, keys.GROUP, "-", "+", room, consumername=name)
+            if held:
+                entries = await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, ttl_ms,
+                                                  [h["message_id"] for h in held])
+                await self._take_over(entries)
+
+    async def _take_over(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
         entries = [(eid, fields) for eid, fields in entries if fields]
         if not entries:
             return
@@ -512,6 +556,10 @@ class Worker:
         self.metrics.claimed.inc(len(entries))
         await self._accept(entries, attempts)
 
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _prompt_chars(request: EngineRequest) -> int:

@@ -169,3 +169,32 @@ def test_requests_of_a_gateway_that_died_stop_on_the_workers(tmp_path) -> None:
         stack.stop()
         client.close()
         server.stop()
+
+
+async def test_a_dead_workers_requests_are_taken_over_when_its_heartbeat_expires(tmp_path) -> None:
+    """Long before ``claim_idle_s`` (a minute here): the heartbeat's second is enough."""
+    server = LocalRedis(tmp_path / "redis").start()
+    client = redis.Redis.from_url(server.url)
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_CLAIM_IDLE_S": "60", "SLOGATE_ADMISSION_CONTROL": "0"})
+    stack.gateway()
+    for _ in range(2):
+        stack.worker("interactive", "sim", f"decode_base_s={STEP_S}", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    try:
+        timeout = aiohttp.ClientTimeout(total=20)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            task = asyncio.create_task(s.post(stack.url + "/v1/chat/completions", json=body(100)))
+            await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to start")
+            pid = _holder_pid(client, "interactive")
+            victim = next(p for p in stack.procs if p.pid == pid)
+            os.kill(pid, signal.SIGKILL)
+            victim.wait()
+            resp = await task
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] == 100
+        wait_for(lambda: len(client.xinfo_consumers("slogate:q:interactive", "workers")) == 1, 15,
+                 "the dead worker to leave the consumer group")
+    finally:
+        stack.stop()
+        client.close()
+        server.stop()
