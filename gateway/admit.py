@@ -82,8 +82,9 @@ def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) 
                       f"before it cannot all finish within the {objective:.0f} ms objective (admission "
                       f"targets {budget:.0f} ms); retry after {d.retry_after_s:g} s",
         "exceeds-objective": f"this request is predicted to take {predicted} even on an idle pool, beyond the "
-                             f"{objective:.0f} ms interactive objective; send it as batch "
-                             f"(x-slogate-class: batch) or ask for fewer tokens",
+                             f"{objective / state.cfg.policies.admission.margin:.0f} ms that fit the "
+                             f"{objective:.0f} ms interactive objective with admission's margin; send it as "
+                             f"batch (x-slogate-class: batch) or ask for fewer tokens",
         "batch-queue-full": f"the batch queue is full; retry after {d.retry_after_s:g} s",
         "cannot-meet-deadline": f"predicted completion ({predicted}) falls after the request's deadline",
         "interactive-busy": "interactive load kept batch work held back until its deadline",

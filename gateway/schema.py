@@ -18,6 +18,7 @@ from slogate.protocol import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """Every integer a body carries: what a worker can be sent (the protocol encodes 64-bit
@@ -215,12 +216,17 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"'{param}' must be at least 1, got {max_tokens}", param)
     min_tokens = raw.min_tokens or 0
-    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-        raise bad_request("'min_tokens' must be between 0 and max_tokens", "min_tokens")
+    if min_tokens < 0 or min_tokens > (max_tokens or default_max_tokens):
+        raise bad_request(f"'min_tokens' must be between 0 and max_tokens ({max_tokens or default_max_tokens}"
+                          f"{'' if max_tokens else ', the default'})", "min_tokens")
+    stop_ids = raw.stop_token_ids or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= i < 2**31 for i in stop_ids):
+        raise bad_request(f"'stop_token_ids' must hold at most {MAX_STOP_TOKEN_IDS} token ids, each from 0 "
+                          f"to {2**31 - 1}", "stop_token_ids")
 
     sampling = SamplingParams(
         max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
-        top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=raw.stop_token_ids or [],
+        top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
         frequency_penalty=frequency)
     parsed = ParsedRequest(

@@ -69,6 +69,9 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "seed": 2**70}, "seed", ["9223372036854775807"]),
     ({"model": MODEL, "messages": MSGS, "top_k": 2**64}, "top_k", ["9223372036854775807"]),
     ({"model": MODEL, "messages": MSGS, "stop_token_ids": [1, -(2**64)]}, "stop_token_ids[1]", [">="]),
+    ({"model": MODEL, "messages": MSGS, "stop_token_ids": [-1]}, "stop_token_ids", ["from 0"]),
+    ({"model": MODEL, "messages": MSGS, "stop_token_ids": list(range(65))}, "stop_token_ids", ["at most 64"]),
+    ({"model": MODEL, "messages": MSGS, "min_tokens": 1000}, "min_tokens", ["256, the default"]),
 ])
 async def test_invalid_chat_bodies(stack: Stack, body: dict, param: str, words: list[str]) -> None:
     status, resp, _ = await call(stack, CHAT, json_body=body)
