@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -112,6 +113,15 @@ def _holder_pid(client: redis.Redis, pool: str) -> int:
     return int(pending[0]["consumer"].decode().split("-")[-2])
 
 
+def _kill_holder(client: redis.Redis, stack: Stack) -> subprocess.Popen:
+    """SIGKILL the interactive worker that holds the one pending request; its process."""
+    pid = _holder_pid(client, "interactive")
+    victim = next(p for p in stack.procs if p.pid == pid)
+    os.kill(pid, signal.SIGKILL)
+    victim.wait()
+    return victim
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_worker_killed_mid_request_is_finished_by_another(slow_stack: Stack, stream: bool) -> None:
     client = redis.Redis.from_url(slow_stack.redis_url)
@@ -123,10 +133,7 @@ async def test_worker_killed_mid_request_is_finished_by_another(slow_stack: Stac
                                           json=body(60, stream=stream, prompt=prompt)))
         await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to start")
         await asyncio.sleep(0.3)
-        pid = _holder_pid(client, "interactive")
-        victim = next(p for p in slow_stack.procs if p.pid == pid)
-        os.kill(pid, signal.SIGKILL)
-        victim.wait()
+        victim = _kill_holder(client, slow_stack)
         resp = await task
         assert resp.status == 200
         if stream:
@@ -185,10 +192,7 @@ async def test_a_dead_workers_requests_are_taken_over_when_its_heartbeat_expires
         async with aiohttp.ClientSession(timeout=timeout) as s:
             task = asyncio.create_task(s.post(stack.url + "/v1/chat/completions", json=body(100)))
             await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to start")
-            pid = _holder_pid(client, "interactive")
-            victim = next(p for p in stack.procs if p.pid == pid)
-            os.kill(pid, signal.SIGKILL)
-            victim.wait()
+            _kill_holder(client, stack)
             resp = await task
             assert resp.status == 200
             assert (await resp.json())["usage"]["completion_tokens"] == 100
