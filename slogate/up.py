@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from slogate.config import Config
-from slogate.local_redis import LocalRedis
+from slogate.local_redis import LocalRedis, free_port
 
 log = logging.getLogger("slogate.up")
 REAL_ENGINES = {"stream", "paged"}
@@ -68,7 +68,7 @@ def _worker_commands(cfg: Config, engine: str | None, options: dict[str, Any]) -
             cmd += ["--model", cfg.model]
         for key, value in options.items():
             cmd += ["-o", f"{key}={json.dumps(value)}"]
-        cmds += [cmd] * pool_cfg.workers
+        cmds += [[*cmd, "--metrics-port", str(free_port())] for _ in range(pool_cfg.workers)]
     return cmds
 
 
@@ -112,6 +112,9 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
         procs[i] = (cmd, start(cmd))
     log.info("slogate is up: http://127.0.0.1:%d/v1 (%d worker(s)); Ctrl-C stops it",
              cfg.port, len(worker_cmds))
+    for cmd in worker_cmds:
+        log.info("worker of pool %s: metrics on http://127.0.0.1:%s/metrics", cmd[cmd.index("--pool") + 1],
+                 cmd[cmd.index("--metrics-port") + 1])
     code = 0
     try:
         while not stopping:

@@ -69,6 +69,12 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
         kids = children(up.pid)
         assert len(kids) >= 4, "redis, gateway and one worker per pool"
+        workers = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in kids]
+        ports = [cmd[cmd.index(b"--metrics-port") + 1].decode() for cmd in workers if b"worker" in cmd]
+        assert len(ports) == 2
+        for metrics_port in ports:
+            status, body = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert status == 200 and b"slogate_worker_step_seconds" in body
         assert (tmp_path / "state" / "redis").is_dir(), "the embedded Redis keeps its files under the state folder"
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
