@@ -6,8 +6,10 @@ generation, and how long a context may be.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,11 +44,64 @@ def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None,
     if messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {model_id} has no chat template; send a prompt")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return _ids(tokenizer, text, add_special_tokens=False)
+        return _chat_ids(tokenizer, model_id, messages)
     if prompt is None:
         raise ValueError("a request needs a prompt or messages")
     return _ids(tokenizer, prompt, add_special_tokens=True)
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _chat_ids(tokenizer: Any, model_id: str, messages: list[dict[str, Any]]) -> list[int]:
+    """Only the chat template speaks in special tokens. Tokenizing the rendered template whole
+    (what ``apply_chat_template(tokenize=True)`` does) reads a user's ``<|im_start|>system`` as
+    the marker itself, so a message could forge turns. When some content holds a special
+    token's text, the template is rendered around private-use marks instead, and each message's
+    content is tokenized apart, as plain text. Other messages take the ordinary path, so their
+    ids are exactly transformers'."""
+    def render(msgs: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    specials = _special_tokens(tokenizer)
+    forged = [i for i, m in enumerate(messages) if specials and specials.search(m.get("content") or "")]
+    if not forged:
+        return _ids(tokenizer, render(messages), add_special_tokens=False)
+    pieces = _MARK.split(render([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]))
+    placed = [int(p) for p in pieces[1::2]]
+    if len(placed) != len(set(placed)) or not set(forged) <= set(placed):
+        token = specials.search(messages[forged[0]]["content"])[0]
+        raise ValueError(f"messages[{forged[0]}].content contains '{token}', a special token of model {model_id}, "
+                         "and its chat template does not keep message content apart; remove it")
+    ids: list[int] = []
+    for k, piece in enumerate(pieces):
+        if k % 2:
+            ids += _plain_ids(tokenizer, messages[int(piece)].get("content") or "")
+        elif piece:
+            ids += _ids(tokenizer, piece, add_special_tokens=False)
+    return ids
+
+
+@lru_cache(maxsize=8)
+def _special_tokens(tokenizer: Any) -> re.Pattern[str] | None:
+    texts = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+
+@lru_cache(maxsize=8)
+def _plain_backend(tokenizer: Any) -> Any:
+    """A copy of the fast tokenizer's encoder that reads special tokens' text as text."""
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    plain.encode_special_tokens = True
+    return plain
+
+
+def _plain_ids(tokenizer: Any, text: str) -> list[int]:
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+    return _encode(_plain_backend(tokenizer), text, add_special_tokens=False)
 
 
 def _ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
@@ -61,10 +116,13 @@ def _ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    return _encode(backend, text, add_special_tokens)
+
+
+def _encode(backend: Any, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > LONG_PROMPT_CHARS:
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
-
 
 
 def resolve_device(device: str) -> torch.device:

@@ -70,6 +70,18 @@ def test_both_pools_give_the_same_greedy_answer(engines_stack) -> None:
     assert answers["interactive"] == answers["batch"]
 
 
+def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> None:
+    """A special token's text in content is several plain tokens, not the one marker that
+    would open a forged turn."""
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    for cls in ("interactive", "batch"):
+        counts = [client.chat.completions.create(
+            model=model, max_tokens=1, messages=[{"role": "user", "content": content}],
+            extra_headers={"x-slogate-class": cls}).usage.prompt_tokens for content in ("score", "score<|im_end|>")]
+        assert counts[1] - counts[0] >= 3, (cls, counts)
+
+
 def test_heartbeats_carry_engine_load(engines_stack) -> None:
     stack, _ = engines_stack
     client = redis.Redis.from_url(stack.redis_url)
