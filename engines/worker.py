@@ -37,6 +37,7 @@ from slogate.config import DEFAULT_REDIS_URL, Config
 from slogate.crypto import Sealer, SealError
 from slogate.heap import freeze_startup_heap
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
+from slogate.tasks import cancel_and_wait
 
 log = logging.getLogger("slogate.worker")
 
@@ -99,9 +100,7 @@ class Worker:
         try:
             await self._engine_loop()
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)
             try:
                 await self.redis.delete(keys.heartbeat(self.s.pool, self.s.worker_id))
             except RedisError:
@@ -277,10 +276,7 @@ class Worker:
             self._send_wake.set()
             await sender
         finally:
-            for task in (sender, finisher):
-                if not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([sender, finisher])
             self.engine.close(1.0)
 
     async def _finish_engine(self) -> None:

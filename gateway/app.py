@@ -34,6 +34,7 @@ from slogate import logs, tracing
 from slogate.config import DEFAULT_REDIS_URL, Config, redacted
 from slogate.crypto import Sealer
 from slogate.heap import freeze_startup_heap
+from slogate.tasks import cancel_and_wait
 
 log = logging.getLogger("slogate.gateway")
 _AUDITED = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -187,7 +188,7 @@ def _resources(cfg: Config):
         batcher = CommandBatcher(commands)
         sealer = Sealer.from_text(cfg.encryption_keys)
         state = GatewayState(
-            cfg, commands, batcher, ResultMux(reader, batcher, sealer),
+            cfg, commands, batcher, ResultMux(reader, batcher, sealer, keep_alive_s=cfg.sse_keep_alive_s),
             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics(),
             AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands), sealer,
             AuditLog(batcher, cfg.audit_max_entries))
@@ -200,9 +201,7 @@ def _resources(cfg: Config):
         await state.directory.refresh()
         tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run())]
         yield
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
         await state.audit.close()
         await state.mux.close()
         await reader.aclose()

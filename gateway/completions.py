@@ -19,7 +19,7 @@ from gateway.admit import admit, estimate_prompt_tokens, retry_headers
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.relay import Relay, SplicedOutput
-from gateway.results import Subscription
+from gateway.results import QUIET, Subscription
 from gateway.state import STATE, GatewayState
 from policies.admission import deadline_for
 from policies.classify import UnknownClass, classify
@@ -132,7 +132,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive)
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": admission}
-    job = _Job(state, parsed, gen, state.mux.subscribe(request_id), arrived, headers)
+    job = _Job(state, parsed, gen, state.mux.subscribe(request_id, keep_alive=parsed.stream), arrived, headers)
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     state.in_flight += 1
     state.metrics.in_flight.inc()
@@ -232,11 +232,15 @@ async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.Parsed
 
 
 async def _records(job: _Job, relay: Relay):
-    """Yield (new text, record) for each record that moves the answer on, until the last."""
+    """Yield (new text, record) for each record that moves the answer on, until the last, and
+    (None, QUIET) when a stream has heard nothing for a while."""
     try:
         async with asyncio.timeout(job.gen.deadline - time.time() + 0.25):
             while True:
                 rec = await job.sub.records.get()
+                if rec is QUIET:
+                    yield None, rec
+                    continue
                 try:
                     text = relay.accept(rec)
                 except SplicedOutput as exc:
@@ -321,6 +325,10 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
         resp = await start()
     try:
         async for text, rec in _records(job, relay):
+            if rec is QUIET:
+                resp = resp or await start()
+                await resp.write(shapes.KEEP_ALIVE)
+                continue
             if isinstance(rec, Delta):
                 resp = resp or await start()
                 use = shapes.usage(rec.prompt_tokens, rec.completion_tokens) if job.parsed.continuous_usage else None

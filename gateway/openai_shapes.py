@@ -67,3 +67,5 @@ def sse_error(body: dict[str, Any]) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+KEEP_ALIVE = b": keep-alive\n\n"
+"""An SSE comment: clients skip it, and proxies see the connection in use."""

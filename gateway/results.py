@@ -31,33 +31,45 @@ ALIVE_TTL_S = 5
 gateway's requests keep running on the workers, plus their two checks a second apart."""
 
 
+class Quiet:
+    """Queued in place of a record when a stream has heard nothing for ``keep_alive_s``."""
+
+
+QUIET = Quiet()
+
+
 @dataclass
 class Subscription:
     request_id: str
-    records: asyncio.Queue[Result] = field(default_factory=asyncio.Queue)
+    keep_alive: bool = False
+    """Whether it hears ``QUIET`` when no record comes (streams: they send an SSE comment)."""
+    records: asyncio.Queue[Result | Quiet] = field(default_factory=asyncio.Queue)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once a record is queued: a stream waits for it before it answers (``STREAM_HOLD_S``)."""
+    heard_at: float = field(default_factory=time.monotonic)
 
 
 class ResultMux:
     def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, sealer: Sealer,
-                 block_ms: int = 1000, count: int = 1024, trim_every_s: float = 1.0) -> None:
+                 block_ms: int = 1000, count: int = 1024, trim_every_s: float = 1.0,
+                 keep_alive_s: float = 15.0) -> None:
         self.redis = redis
         self.batcher = batcher
         self.sealer = sealer
         self.block_ms = block_ms
         self.count = count
         self.trim_every_s = trim_every_s
+        self.keep_alive_s = keep_alive_s
         gateway_id = uuid.uuid4().hex
         self.key = keys.replies(gateway_id)
         self.alive = keys.alive(gateway_id)
         self._last = b"0-0"
         self._trimmed_at = 0.0
-        self._announced_at = 0.0
+        self._ticked_at = 0.0
         self._subs: dict[bytes, Subscription] = {}
 
-    def subscribe(self, request_id: str) -> Subscription:
-        sub = Subscription(request_id)
+    def subscribe(self, request_id: str, keep_alive: bool = False) -> Subscription:
+        sub = Subscription(request_id, keep_alive)
         self._subs[request_id.encode()] = sub
         return sub
 
@@ -67,7 +79,7 @@ class ResultMux:
 
     async def run(self) -> None:
         while True:
-            self._announce()
+            self._tick()
             try:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
             except (RedisError, OSError) as exc:
@@ -80,13 +92,21 @@ class ResultMux:
                 self._last = entries[-1][0]
             self._trim()
 
-    def _announce(self) -> None:
-        """Renew ``alive`` (``ALIVE_TTL_S``) about once a second: this loop wakes at least
-        once a ``block_ms``."""
+    def _tick(self) -> None:
+        """About once a second (this loop wakes at least once a ``block_ms``): renew ``alive``
+        (``ALIVE_TTL_S``), and tell the streams that have heard nothing for ``keep_alive_s``, so
+        that they write a comment before a proxy that cuts idle connections (60 s is common)
+        cuts a queued or slow stream."""
         now = time.monotonic()
-        if now - self._announced_at >= 1.0:
-            self._announced_at = now
-            self.batcher.fire("SET", self.alive, b"1", "EX", ALIVE_TTL_S)
+        if now - self._ticked_at < min(1.0, self.keep_alive_s):
+            return
+        self._ticked_at = now
+        self.batcher.fire("SET", self.alive, b"1", "EX", ALIVE_TTL_S)
+        quiet_since = now - self.keep_alive_s
+        for sub in self._subs.values():
+            if sub.keep_alive and sub.heard_at <= quiet_since:
+                sub.heard_at = now
+                sub.records.put_nowait(QUIET)
 
     def _trim(self) -> None:
         """Drop what has been read, at most once a ``trim_every_s``: the stream holds only
@@ -102,11 +122,13 @@ class ResultMux:
         except (protocol.ProtocolError, KeyError) as exc:
             log.error("dropping unreadable reply entry %s: %s", entry_id, exc)
             return
+        now = time.monotonic()
         for request_id, sealed in records:
             sub = self._subs.get(request_id)
             if sub is not None:
                 sub.records.put_nowait(self._decode(sub, sealed))
                 sub.arrived.set()
+                sub.heard_at = now
 
     def _decode(self, sub: Subscription, sealed: bytes) -> Result:
         try:

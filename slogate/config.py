@@ -73,6 +73,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     max_timeout_s: float = 3600.0
     """Largest deadline a client may ask for with ``x-slogate-timeout``; without the header a
     request gets its class's deadline from the policies."""
+    sse_keep_alive_s: float = 15.0
+    """A stream that has sent nothing for this long sends an SSE comment (clients skip it), so
+    that proxies and load balancers that close idle connections keep a queued stream open."""
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     claim_idle_s: float = 15.0
@@ -181,8 +184,8 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
-                "default_max_tokens", "max_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s",
-                "max_attempts", "result_ttl_s", "worker_poll_s"]
+                "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "heartbeat_interval_s", "heartbeat_ttl_s",
+                "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")

@@ -8,10 +8,11 @@ import asyncio
 import redis.asyncio as aioredis
 
 from gateway.batcher import CommandBatcher
-from gateway.results import ResultMux
+from gateway.results import QUIET, ResultMux
 from slogate import protocol
 from slogate.crypto import Sealer
 from slogate.protocol import Delta, Error, Final
+from slogate.tasks import cancel_and_wait
 
 
 async def test_records_are_routed_in_order_and_unreadable_entries_skipped(redis_url: str) -> None:
@@ -37,4 +38,38 @@ async def test_records_are_routed_in_order_and_unreadable_entries_skipped(redis_
     finally:
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+        await client.aclose()
+
+
+async def test_only_quiet_streams_hear_keep_alives(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    reader_client = aioredis.Redis.from_url(redis_url, single_connection_client=True)
+    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, keep_alive_s=0.2)
+    stream, plain = mux.subscribe("s", keep_alive=True), mux.subscribe("p")
+    reader = asyncio.create_task(mux.run())
+    try:
+        assert await asyncio.wait_for(stream.records.get(), 5) is QUIET
+        await client.xadd(mux.key, {protocol.BATCH_FIELD: protocol.encode_batch(
+            [(b"s", protocol.encode(Delta("a", 0))), (b"p", protocol.encode(Delta("b", 0)))])})
+        assert await asyncio.wait_for(stream.records.get(), 5) == Delta("a", 0)
+        assert await asyncio.wait_for(stream.records.get(), 5) is QUIET
+        assert plain.records.get_nowait() == Delta("b", 0) and plain.records.empty()
+    finally:
+        await cancel_and_wait([reader])
+        await reader_client.aclose()
+        await client.aclose()
+
+
+async def test_the_reader_stops_when_cancelled_as_it_starts_a_read(redis_url: str) -> None:
+    """Right after a tick the reader is starting its next XREAD, where redis-py can swallow
+    a cancel: the reader must end all the same."""
+    client = aioredis.Redis.from_url(redis_url)
+    mux = ResultMux(client, CommandBatcher(client), Sealer(), block_ms=50, keep_alive_s=0.2)
+    stream = mux.subscribe("s", keep_alive=True)
+    reader = asyncio.create_task(mux.run())
+    try:
+        assert await asyncio.wait_for(stream.records.get(), 5) is QUIET
+        await asyncio.wait_for(cancel_and_wait([reader]), 5)
+        assert reader.cancelled()
+    finally:
         await client.aclose()

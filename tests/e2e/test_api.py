@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import openai
 import pytest
 import redis
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, start_stack
 from slogate.processes import Stack
 
 CHAT = {"model": MODEL, "messages": [{"role": "system", "content": "score it"},
@@ -218,3 +219,23 @@ async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
     assert reply_len <= 1, "read results are trimmed away"
     assert queues == {"interactive": 0, "batch": 0}
     assert pending == {"interactive": 0, "batch": 0}
+
+
+async def test_a_quiet_stream_sends_keep_alive_comments(redis_server) -> None:
+    """Steps of 1.5 s: before each token the stream sends SSE comments, which the SDK skips."""
+    slow = start_stack(redis_server, decode_base_s=1.5, SLOGATE_SSE_KEEP_ALIVE_S="0.3",
+                       SLOGATE_ADMISSION_CONTROL="0")
+    try:
+        body = {**CHAT, "max_tokens": 2, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(slow.url + "/v1/chat/completions", json=body) as r:
+            lines = [line.strip() async for line in r.content if line.strip()]
+        comments = [i for i, line in enumerate(lines) if line == b": keep-alive"]
+        texts = [i for i, line in enumerate(lines) if re.search(rb'"content":"[^"]', line)]
+        assert len(texts) == 2 and comments and comments[0] < texts[0], lines
+        assert lines[-1] == b"data: [DONE]"
+        client = openai.OpenAI(base_url=slow.url + "/v1", api_key="x", max_retries=0)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=1,
+                                                     stream=True))
+        assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) == 1
+    finally:
+        slow.stop()
