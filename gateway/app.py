@@ -210,6 +210,20 @@ def _resources(cfg: Config):
     return ctx
 
 
+_RAW_BYTES = re.compile(r"""b'(?:[^'\\]|\\.)*(?:'|$)|b"(?:[^"\\]|\\.)*(?:"|$)""")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def _hide_raw(message: str) -> str:
+    """aiohttp quotes the client's raw bytes (``b'Authorization: Bearer sk-...'``): keep a
+    header's name, never its value, which may be a credential."""
+    def hide(m: re.Match[str]) -> str:
+        name, colon, _ = m[0][2:].partition(":")
+        return f"b'{name}: ***'" if colon and _HEADER_NAME.fullmatch(name) else "b'***'"
+
+    return _RAW_BYTES.sub(hide, message.strip())
+
+
 class MalformedHttpAtInfo(logging.Filter):
     """aiohttp logs a request it cannot parse (a duplicate Content-Type, an oversized header
     line: the client's mistake, already answered with a 400) as an error with a traceback. The
@@ -220,7 +234,7 @@ class MalformedHttpAtInfo(logging.Filter):
         if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
             return True
         record.levelno, record.levelname = logging.INFO, "INFO"
-        record.msg, record.args = "refused a malformed HTTP request (%d): %.200s", (exc.code, exc.message.strip())
+        record.msg, record.args = "refused a malformed HTTP request (%d): %.200s", (exc.code, _hide_raw(exc.message))
         record.exc_info = record.exc_text = None
         return logging.getLogger().isEnabledFor(logging.INFO)
 

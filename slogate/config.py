@@ -7,6 +7,7 @@ with a silently ignored setting is worse than one that does not start.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -110,12 +111,14 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 """Where every process looks for Redis when none is configured (``slogate up`` starts its own)."""
 
 def redacted(url: str) -> str:
-    """``url`` fit for a log line: a password in it becomes ``***``."""
+    """``url`` fit for a log line: a password in it (``user:pass@`` or redis-py's
+    ``?password=``) becomes ``***``."""
     parts = urlsplit(url)
-    if not parts.password:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    if parts.password:
+        host = parts.netloc.rpartition("@")[2]
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    base, mark, query = url.partition("?")
+    return base + mark + re.sub(r"(^|&)(password=)[^&#]*", r"\1\2***", query, flags=re.IGNORECASE)
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,

@@ -60,3 +60,5 @@ def test_passwords_are_redacted_from_urls() -> None:
     assert redacted("redis://user:s3cret@cache:6380/1") == "redis://user:***@cache:6380/1"
     assert redacted("redis://:s3cret@cache/0") == "redis://:***@cache/0"
     assert redacted("redis://cache:6379/0") == "redis://cache:6379/0"
+    assert redacted("redis://cache/0?db=1&Password=s3cret&x=1") == "redis://cache/0?db=1&Password=***&x=1"
+    assert redacted("unix:///run/redis.sock?password=s3cret") == "unix:///run/redis.sock?password=***"

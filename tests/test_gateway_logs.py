@@ -6,7 +6,7 @@ import logging
 import sys
 
 import pytest
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader, LineTooLong
 
 from gateway.app import MalformedHttpAtInfo
 
@@ -34,6 +34,21 @@ def test_a_malformed_request_is_one_info_line(caplog: pytest.LogCaptureFixture, 
     for word in words:
         assert word in record.getMessage()
     assert len(record.getMessage()) < 300, "a client's oversized line is not copied into the log"
+
+
+@pytest.mark.parametrize("exc", [
+    InvalidHeader(b"Authorization: Bearer sk-SECRET\x01zz"),
+    InvalidHeader(b"Authorization: Bearer sk-SECRET\\'zz"),
+    LineTooLong(b"Bearer sk-SECRET" + b"A" * 9000, "8190"),
+    LineTooLong(b"x-api-key: sk-SECRET" + b"A" * 9000, "8190"),
+])
+def test_header_values_of_a_malformed_request_are_not_logged(caplog: pytest.LogCaptureFixture,
+                                                              exc: Exception) -> None:
+    caplog.set_level(logging.INFO)
+    record = aiohttp_record(exc)
+    assert MalformedHttpAtInfo().filter(record)
+    message = record.getMessage()
+    assert "SECRET" not in message and "zz" not in message and "***" in message, message
 
 
 def test_it_is_dropped_when_the_log_level_is_above_info(caplog: pytest.LogCaptureFixture) -> None:
