@@ -66,6 +66,8 @@ class _InFlight:
     first_token_at: float = 0.0
     held: str = ""
     """Text not yet written: a non-streamed request gets its answer in one record."""
+    tokens: int = 0
+    """Tokens generated so far (counted in the metrics as they come, so a cancel loses none)."""
 
 
 class Worker:
@@ -368,6 +370,7 @@ class Worker:
         intake already see it while the records are on their way."""
         now = time.time()
         done: list[bytes] = []
+        generated = 0
         for out in outputs:
             job = self.inflight.get(out.request_id)
             if job is None:
@@ -377,6 +380,8 @@ class Worker:
                 self._write(job, Error(out.error, code, out.error_status, job.attempt))
                 self.metrics.finished(code)
             else:
+                generated += out.completion_tokens - job.tokens
+                job.tokens = out.completion_tokens
                 if out.text:
                     if not job.first_token_at:
                         job.first_token_at = now
@@ -389,7 +394,6 @@ class Worker:
                 if out.finish_reason is None:
                     continue
                 self.metrics.finished(out.finish_reason)
-                self.metrics.tokens.inc(out.completion_tokens)
                 self._trace(job, now, out)
                 self._write(job, Final(
                     out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
@@ -397,6 +401,8 @@ class Worker:
                     ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
             done.append(job.entry_id)
             del self.inflight[out.request_id]
+        if generated > 0:
+            self.metrics.tokens.inc(generated)
         self._ack(done)
 
     def _trace(self, job: _InFlight, now: float, out: StepOutput) -> None:

@@ -16,6 +16,7 @@ import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import completions
@@ -44,36 +45,47 @@ _json = msgspec.json.Encoder()
 
 @web.middleware
 async def edge(request: web.Request, handler) -> web.StreamResponse:
-    """Request id on every response; every failure in OpenAI's error shape."""
+    """Request id on every response; every failure in OpenAI's error shape. A completion
+    request's span starts here, so that its status and the lines logged about it (a client
+    that left, a failure) carry its trace."""
     given = request.headers.get("x-request-id")
     request_id = given if given and _CLIENT_ID.match(given) else os.urandom(16).hex()
     request["request_id"] = request_id
     request["audit"] = {}
     logs.request_id.set(request_id)
     started = time.time()
-    try:
-        resp = await handler(request)
-    except APIError as err:
-        resp = err.response()
-        if not request.get("counted"):
-            request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
-    except web.HTTPException as exc:
-        resp = _http_error(request, exc).response()
-    except asyncio.CancelledError:
-        _audit(request, started, CLIENT_CLOSED)
-        raise
-    except Exception as exc:
-        if isinstance(exc, ConnectionResetError) and _client_gone(request):
-            log.info("the client closed the connection during %s %s", request.method, request.path)
-            _audit(request, started, CLIENT_CLOSED)
-            return web.Response(status=CLIENT_CLOSED)
-        log.exception("unhandled error serving %s %s", request.method, request.path)
-        resp = APIError(500, "internal error in the gateway; the request id is in x-request-id",
-                        None, "internal_error").response()
-    if not resp.prepared:
-        resp.headers["x-request-id"] = request_id
+    traced = request.path in _AUDITED
+    with (tracing.span(f"{request.method} {request.path}", SpanKind.SERVER, **{"slogate.request_id": request_id})
+          if traced else tracing.OFF) as span:
+        try:
+            resp = await handler(request)
+        except APIError as err:
+            resp = err.response()
+            if not request.get("counted"):
+                request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
+        except web.HTTPException as exc:
+            resp = _http_error(request, exc).response()
+        except asyncio.CancelledError:
+            _client_left(request, started, span)
+            raise
+        except Exception as exc:
+            if isinstance(exc, ConnectionResetError) and _client_gone(request):
+                _client_left(request, started, span)
+                return web.Response(status=CLIENT_CLOSED)
+            log.exception("unhandled error serving %s %s", request.method, request.path)
+            resp = APIError(500, "internal error in the gateway; the request id is in x-request-id",
+                            None, "internal_error").response()
+        if not resp.prepared:
+            resp.headers["x-request-id"] = request_id
+        tracing.set_http_status(span, resp.status)
     _audit(request, started, resp.status)
     return resp
+
+
+def _client_left(request: web.Request, started: float, span: Span | None) -> None:
+    log.info("the client closed the connection during %s %s", request.method, request.path)
+    tracing.set_http_status(span, CLIENT_CLOSED)
+    _audit(request, started, CLIENT_CLOSED)
 
 
 CLIENT_CLOSED = 499
@@ -154,9 +166,10 @@ def _export_fleet(state: GatewayState) -> None:
     pools = view.by_pool
     for pool, depth in view.queue_depth.items():
         hbs = pools.get(pool, [])
-        m.queue_depth.labels(pool).set(depth)
+        running = sum(hb.running for hb in hbs)
+        m.queue_depth.labels(pool).set(max(depth - running, 0))
         m.live_workers.labels(pool).set(len(hbs))
-        m.running.labels(pool).set(sum(hb.running for hb in hbs))
+        m.running.labels(pool).set(running)
         m.kv_usage.labels(pool).set(sum(hb.kv_usage for hb in hbs) / len(hbs) if hbs else 0.0)
         m.own_in_flight.labels(pool).set(state.directory.own.count(pool))
     m.feedback_factor.set(state.admission.feedback.factor)

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
-from opentelemetry.trace import SpanKind
 from redis.exceptions import RedisError
 
 from gateway import openai_shapes as shapes
@@ -41,6 +40,9 @@ class _Job:
     arrived: float
     headers: dict[str, str]
     first_token_at: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    """As the last record said: what a request that ends without a final record used."""
     outcome: str = "cancelled"
     worker_done: bool = False
     """A final or error record came: nothing is left to cancel."""
@@ -94,33 +96,32 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     if state.draining:
         raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down")
     arrived = time.time()
-    with tracing.span(f"POST {request.path}", SpanKind.SERVER, **{"slogate.request_id": request["request_id"]}):
-        with tracing.span("validate"):
-            caller = state.keys.authenticate(request.headers.get("Authorization"))
-            body = await _read_body(request, state.cfg.max_body_bytes)
-            parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
-            state.keys.check_model(caller, parsed.model)
-            _check_model(state, parsed)
-            cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
-            deadline = _deadline(request, arrived, cls, state)
-        request["audit"].update(key=caller.key_id, model=parsed.model, cls=cls)
-        with tracing.span("admit", **{"slogate.class": cls}) as span:
-            if state.keys.enabled:
-                await _rate_limit(state, caller, parsed)
-            decision = await admit(state, parsed, cls, deadline)
-            if span is not None:
-                span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
-        request["audit"].update(pool=decision.pool, decision=decision.reason)
-        slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
-        try:
-            if not parsed.stream:
-                return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
-                                  deadline)
-            async with _stream_slot(state, caller.key_id):
-                return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
-                                  deadline)
-        finally:
-            state.directory.own.end(decision.pool, slot)
+    with tracing.span("validate"):
+        caller = state.keys.authenticate(request.headers.get("Authorization"))
+        body = await _read_body(request, state.cfg.max_body_bytes)
+        parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
+        state.keys.check_model(caller, parsed.model)
+        _check_model(state, parsed)
+        cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
+        deadline = _deadline(request, arrived, cls, state)
+    request["audit"].update(key=caller.key_id, model=parsed.model, cls=cls)
+    with tracing.span("admit", **{"slogate.class": cls}) as span:
+        if state.keys.enabled:
+            await _rate_limit(state, caller, parsed)
+        decision = await admit(state, parsed, cls, deadline)
+        if span is not None:
+            span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
+    request["audit"].update(pool=decision.pool, decision=decision.reason)
+    slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
+    try:
+        if not parsed.stream:
+            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
+                              deadline)
+        async with _stream_slot(state, caller.key_id):
+            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
+                              deadline)
+    finally:
+        state.directory.own.end(decision.pool, slot)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
@@ -156,8 +157,8 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         state.in_flight -= 1
         state.metrics.in_flight.dec()
         _observe(job)
-        request["audit"].update(outcome=job.outcome, prompt_tokens=job.final.prompt_tokens if job.final else 0,
-                                completion_tokens=job.final.completion_tokens if job.final else 0)
+        request["audit"].update(outcome=job.outcome, prompt_tokens=job.prompt_tokens,
+                                completion_tokens=job.completion_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -247,6 +248,7 @@ async def _records(job: _Job, relay: Relay):
                     job.outcome, job.status = "worker_failed", 502
                     raise APIError(502, str(exc), None, "worker_failed") from None
                 if isinstance(rec, Delta):
+                    job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
                     if text is None:
                         continue
                     if not job.first_token_at:
@@ -257,7 +259,7 @@ async def _records(job: _Job, relay: Relay):
                 if not isinstance(rec, Delta):
                     return
     except TimeoutError:
-        job.outcome, job.status = "deadline", 504
+        job.outcome, job.status = "deadline_exceeded", 504
         raise APIError(504, "the request did not finish before its deadline", None,
                        "deadline_exceeded") from None
 
@@ -271,13 +273,14 @@ def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
             param = "messages" if job.parsed.messages is not None else "prompt"
         return APIError(rec.status, rec.message, param, rec.code)
     if rec.finish_reason == "deadline":
-        job.outcome, job.status = "deadline", 504
+        job.outcome, job.status = "deadline_exceeded", 504
         return APIError(504, "the request did not finish before its deadline", None, "deadline_exceeded")
     if rec.finish_reason in ("cancelled", "error"):
         job.outcome, job.status = rec.finish_reason, 502
         return APIError(502, f"the worker ended the request ({rec.finish_reason})", None, "worker_failed")
     job.outcome = rec.finish_reason
     job.final = rec
+    job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
     if not job.parsed.stream:
         job.first_token_at = job.gen.enqueued_at + rec.ttft_s
     return None
@@ -355,17 +358,24 @@ def _observe(job: _Job) -> None:
     they cost; for ones the pool failed, count it against the pool's breaker."""
     job.state.metrics.finished(*job.labels, job.outcome)
     end = time.time()
+    e2e = end - job.arrived
+    m = job.state.metrics.series(*job.labels)
+    m.prompt_tokens.inc(job.prompt_tokens)
+    m.generation_tokens.inc(job.completion_tokens)
     rec = job.final
     if rec is None:
+        if job.status >= 500:  # failed or late: counted where the latencies are, and missed
+            m.e2e.observe(e2e)
+            if job.gen.cls == "interactive":
+                m.missed.inc()
         if job.status >= 500 and job.status != 504 and job.outcome != "redis_unavailable":
             job.state.admission.observe_failure(job.gen.pool, end)
         return
-    e2e = end - job.arrived
-    m = job.state.metrics.series(*job.labels)
     m.e2e.observe(e2e)
     m.queue_wait.observe(rec.queue_wait_s)
-    m.prompt_tokens.inc(rec.prompt_tokens)
-    m.generation_tokens.inc(rec.completion_tokens)
+    if job.gen.cls == "interactive":
+        latency = (job.first_token_at or end) - job.arrived if job.parsed.stream else e2e
+        (m.met if latency <= job.state.admission.objective(job.parsed.stream) else m.missed).inc()
     if job.first_token_at:
         m.ttft.observe(job.first_token_at - job.arrived)
         if rec.completion_tokens > 1:

@@ -32,6 +32,8 @@ class RequestSeries:
     queue_wait: Any
     prompt_tokens: Any
     generation_tokens: Any
+    met: Any
+    missed: Any
 
 
 class GatewayMetrics:
@@ -59,7 +61,12 @@ class GatewayMetrics:
                                 ["status", "code"], registry=r)
         self.admission = Counter("slogate_admission_decisions", "Admission decisions",
                                  ["class", "decision", "reason"], registry=r)
-        self.queue_depth = Gauge("slogate_num_requests_waiting", "Entries in a pool's request stream",
+        self.objective = Counter(
+            "slogate_objective_requests", "Interactive requests judged against their latency objective "
+            "(streams by the first token, others by the whole answer; a request that failed missed it)",
+            labels + ["met"], registry=r)
+        self.queue_depth = Gauge("slogate_num_requests_waiting",
+                                 "A pool's requests not running: queued in its stream or waiting in a worker",
                                  ["pool"], registry=r)
         self.running = Gauge("slogate_num_requests_running", "Requests running on a pool's workers",
                              ["pool"], registry=r)
@@ -80,7 +87,8 @@ class GatewayMetrics:
         if found is None:
             found = self._series[key] = RequestSeries(
                 self.e2e.labels(*key), self.ttft.labels(*key), self.tpot.labels(*key),
-                self.queue_wait.labels(*key), self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key))
+                self.queue_wait.labels(*key), self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key),
+                self.objective.labels(*key, "true"), self.objective.labels(*key, "false"))
         return found
 
     def decided(self, cls: str, decision: str, reason: str) -> None:

@@ -42,6 +42,8 @@ class Stack:
     env_overrides: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    log_dir: Path | None = None
+    """Where each process's log goes (``<command>-<n>.log``); None: this process's stderr."""
 
     @property
     def url(self) -> str:
@@ -52,7 +54,16 @@ class Stack:
                 "SLOGATE_LOG_LEVEL": "WARNING", **self.env_overrides}
 
     def _spawn(self, *args: str) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "slogate.cli", *args], env=self.env(), cwd=ROOT)
+        log = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"{args[0]}-{len(self.procs)}.log", "ab")  # noqa: SIM115 - the child holds it
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "slogate.cli", *args], env=self.env(), cwd=ROOT,
+                                    stderr=log)
+        finally:
+            if log is not None:
+                log.close()
         self.procs.append(proc)
         return proc
 

@@ -16,7 +16,7 @@ import os
 from typing import Any, ContextManager
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _propagator = TraceContextTextMapPropagator()
@@ -45,6 +45,14 @@ def setup(service_name: str, env: dict[str, str] | None = None) -> bool:
     if exporter_name == "otlp":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
+        name = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+        if name not in env:
+            name = "OTEL_EXPORTER_OTLP_PROTOCOL"
+        protocol = env.get(name, "http/protobuf").strip().lower()
+        if protocol != "http/protobuf":
+            raise ValueError(f"{name}={protocol!r}: spans are exported over OTLP/HTTP only "
+                             "(http/protobuf, a collector's port 4318)")
+
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     elif exporter_name in ("console", "file"):
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -67,14 +75,25 @@ def shutdown() -> None:
         provider.shutdown()
 
 
-_OFF = contextlib.nullcontext()
+OFF = contextlib.nullcontext()
+"""The context a span helper returns when tracing is off."""
 
 
 def span(name: str, kind: SpanKind = SpanKind.INTERNAL, **attributes: Any) -> ContextManager[Span | None]:
     """A child of the current span; when tracing is off, one shared do-nothing context."""
     if _tracer is None:
-        return _OFF
+        return OFF
     return _tracer.start_as_current_span(name, kind=kind, attributes=attributes)
+
+
+def set_http_status(span: Span | None, status: int) -> None:
+    """The answer's status on a server span, an error from 500 up (OpenTelemetry's rule for
+    servers: a 4xx is the client's), so that 429s, 499s and 504s can be searched for."""
+    if span is None:
+        return
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_status(StatusCode.ERROR)
 
 
 def inject() -> dict[str, str]:

@@ -145,7 +145,7 @@ def test_dashboard_queries_only_metrics_the_code_exports() -> None:
     assert len(exprs) >= 10
     for metric in ("slogate_e2e_request_latency_seconds_bucket", "slogate_time_to_first_token_seconds_bucket",
                    "slogate_worker_step_seconds_bucket", "slogate_prefix_cache_hit_ratio",
-                   "slogate_worker_time_to_first_token_seconds_bucket"):
+                   "slogate_worker_time_to_first_token_seconds_bucket", "slogate_objective_requests_total"):
         assert any(metric in e for e in exprs), metric
 
 

@@ -30,8 +30,8 @@ def traced(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -
     client.close()
     traces = tmp_path_factory.mktemp("traces")
     metrics_port = free_port()
-    gw = Stack(redis_server.url, {**FAST_FLEET, "OTEL_TRACES_EXPORTER": "file",
-                                  "SLOGATE_TRACE_FILE": str(traces / "gateway.jsonl")})
+    gw = Stack(redis_server.url, {**FAST_FLEET, "OTEL_TRACES_EXPORTER": "file", "SLOGATE_LOG_LEVEL": "INFO",
+                                  "SLOGATE_TRACE_FILE": str(traces / "gateway.jsonl")}, log_dir=traces)
     gw.gateway()
     workers = Stack(redis_server.url, {**FAST_FLEET, "OTEL_TRACES_EXPORTER": "file",
                                        "SLOGATE_TRACE_FILE": str(traces / "worker.jsonl")}, port=gw.port)
@@ -105,10 +105,14 @@ async def test_audit_trail_records_a_client_that_leaves_mid_stream(traced) -> No
     stack, _, _ = traced
     body = {"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 2000,
             "stream": True}
+    _, _, port = traced
+    tokens_before = worker_tokens(port)
     async with aiohttp.ClientSession() as s:
-        resp = await s.post(stack.url + "/v1/chat/completions", json=body, headers={"x-request-id": "audit-gone"})
+        resp = await s.post(stack.url + "/v1/chat/completions", json=body,
+                            headers={"x-request-id": "audit-gone", "x-slogate-class": "interactive"})
         assert resp.status == 200
-        assert (await resp.content.readline()).startswith(b"data: ")
+        events = [await resp.content.readline() for _ in range(6)]
+        assert sum(b'"content":" ' in e for e in events) >= 2
         resp.close()
     deadline = time.monotonic() + 5
     while "audit-gone" not in (records := audit_records(stack)) and time.monotonic() < deadline:
@@ -116,6 +120,64 @@ async def test_audit_trail_records_a_client_that_leaves_mid_stream(traced) -> No
     gone = records["audit-gone"]
     assert gone["status"] == 499 and gone["outcome"] == "cancelled"
     assert gone["model"] == MODEL and gone["decision"] and gone["pool"] == gone["cls"]
+    assert 2 <= gone["completion_tokens"] < 2000 and gone["prompt_tokens"] > 0
+    assert worker_tokens(port) - tokens_before >= gone["completion_tokens"], "a cancelled stream's tokens count"
+
+
+def worker_tokens(port: int) -> float:
+    text = http_get(f"http://127.0.0.1:{port}/metrics")[1].decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in families["slogate_worker_generated_tokens"].samples if s.name.endswith("_total"))
+
+
+def judged(stack: Stack) -> dict[tuple[str, str], float]:
+    text = http_get(stack.url + "/metrics")[1].decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    family = families.get("slogate_objective_requests")
+    return {(s.labels["class"], s.labels["met"]): s.value for s in family.samples if s.name.endswith("_total")} \
+        if family else {}
+
+
+async def test_interactive_requests_are_judged_against_their_objective(traced) -> None:
+    stack, _, _ = traced
+    before = judged(stack)
+    async with aiohttp.ClientSession() as s:
+        for cls, stream in (("interactive", False), ("interactive", True), ("batch", False)):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "judge me"}], "max_tokens": 3,
+                    "stream": stream}
+            async with s.post(stack.url + "/v1/chat/completions", json=body, headers={"x-slogate-class": cls}) as r:
+                assert r.status == 200
+                await r.read()
+    after = judged(stack)
+    moved = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+    assert sum(moved.values()) == 2 and all(cls == "interactive" for cls, _ in moved), moved
+
+
+async def test_a_client_that_leaves_is_logged_and_traced_with_its_status(traced) -> None:
+    stack, traces, _ = traced
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 2000,
+            "stream": True}
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(stack.url + "/v1/chat/completions", json=body, headers={"x-request-id": "log-gone"})
+        assert (await resp.content.readline()).startswith(b"data: ")
+        resp.close()
+        async with s.post(stack.url + "/v1/chat/completions", json={**body, "max_tokens": 0},
+                          headers={"x-request-id": "trace-400"}) as r:
+            assert r.status == 400
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        roots = {sp["attributes"].get("slogate.request_id"): sp for sp in spans(traces / "gateway.jsonl")
+                 if sp["kind"] == "SpanKind.SERVER"}
+        lines = [json.loads(line) for line in (traces / "gateway-0.log").read_text().splitlines()
+                 if line.startswith("{")]
+        left = [line for line in lines if line.get("request_id") == "log-gone" and "closed" in line["msg"]]
+        if left and {"log-gone", "trace-400"} <= roots.keys():
+            break
+        time.sleep(0.1)
+    assert len(left) == 1 and left[0]["level"] == "info"
+    assert left[0]["trace_id"] == roots["log-gone"]["context"]["trace_id"][2:]
+    assert roots["log-gone"]["attributes"]["http.response.status_code"] == 499
+    assert roots["trace-400"]["attributes"]["http.response.status_code"] == 400
 
 
 def test_worker_serves_its_own_metrics(traced) -> None:
@@ -126,11 +188,13 @@ def test_worker_serves_its_own_metrics(traced) -> None:
     assert 'slogate_worker_requests_total{engine="sim",outcome="length",pool="interactive"' in text
     assert "slogate_worker_step_seconds_bucket" in text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    served = sum(s.value for s in families["slogate_worker_requests"].samples
-                 if s.name.endswith("_total") and s.labels["outcome"] == "length")
-    first_tokens = [s.value for s in families["slogate_worker_time_to_first_token_seconds"].samples
-                    if s.name.endswith("_count")]
-    assert served >= 1 and first_tokens == [served], "every request that produced text has its first token timed"
+    outcomes = {s.labels["outcome"]: s.value for s in families["slogate_worker_requests"].samples
+                if s.name.endswith("_total")}
+    served, cancelled = outcomes.get("length", 0), outcomes.get("cancelled", 0)
+    [first_tokens] = [s.value for s in families["slogate_worker_time_to_first_token_seconds"].samples
+                      if s.name.endswith("_count")]
+    assert served >= 1 and served <= first_tokens <= served + cancelled, \
+        "every request that produced text has its first token timed"
     assert "slogate_worker_kv_cache_usage_ratio" in text
 
 
