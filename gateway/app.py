@@ -263,7 +263,8 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     app = make_app(cfg)
     # Open requests get ``grace_s`` below; what is still open after it is cut off (aiohttp's
     # own wait for handlers, 60 s by default, would stretch the grace past what was asked).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5,
+                           keepalive_timeout=cfg.client_timeout_s)
     await runner.setup()
     await web.SockSite(runner, listening).start()
     freeze_startup_heap()

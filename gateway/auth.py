@@ -47,7 +47,8 @@ class KeyStore:
         if scheme.lower() != "bearer" or not secret.strip():
             raise APIError(401, "malformed Authorization header: expected 'Bearer <key>'", None,
                            "invalid_api_key")
-        digest = hashlib.sha256(secret.strip().encode()).digest()
+        # aiohttp keeps bytes that are not UTF-8 as surrogates; such a key matches nothing
+        digest = hashlib.sha256(secret.strip().encode("utf-8", "surrogateescape")).digest()
         found = None
         for stored, caller in self._keys:
             if hmac.compare_digest(stored, digest):

@@ -65,12 +65,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "completion")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The body, within ``timeout_s``: a client that sends it a byte at a time would otherwise
+    hold a handler and a connection for as long as it likes."""
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of "
                             f"{limit} bytes", None, "request_too_large")
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", None,
+                       "request_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"request body exceeds the limit of {limit} bytes", None,
                        "request_too_large") from None
@@ -98,10 +104,12 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     arrived = time.time()
     with tracing.span("validate"):
         caller = state.keys.authenticate(request.headers.get("Authorization"))
-        body = await _read_body(request, state.cfg.max_body_bytes)
+        request["audit"]["key"] = caller.key_id
+        body = await _read_body(request, state.cfg.max_body_bytes, state.cfg.client_timeout_s)
         parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
+        request["audit"]["model"] = parsed.model
         state.keys.check_model(caller, parsed.model)
-        _check_model(state, parsed)
+        _check_model(state, parsed, caller)
         cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
         deadline = _deadline(request, arrived, cls, state)
     request["audit"].update(key=caller.key_id, model=parsed.model, cls=cls)
@@ -164,7 +172,10 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
 @contextlib.asynccontextmanager
 async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
     """Hold one of the key's concurrent-stream slots. The count lives in Redis, so the limit
-    holds across gateways; it expires, so a gateway that dies cannot leak slots for ever."""
+    holds across gateways; it expires, so a gateway that dies cannot leak slots for ever. It
+    outlives the longest stream (its deadline, and the moment after it that the stream takes to
+    end), and a release never takes it below zero: a count that expired under open streams would
+    otherwise come back negative, and give the key slots beyond its limit."""
     if not state.keys.enabled:
         yield
         return
@@ -172,7 +183,7 @@ async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
     limit = state.cfg.max_streams_per_key
     try:
         held = await state.batcher.call("INCR", counter)
-        state.batcher.fire("EXPIRE", counter, int(state.cfg.max_timeout_s))
+        state.batcher.fire("EXPIRE", counter, int(state.cfg.max_timeout_s) + 60)
     except (RedisError, OSError) as exc:
         raise APIError(503, f"cannot count open streams: Redis is unavailable ({exc})", None,
                        "redis_unavailable") from None
@@ -182,10 +193,14 @@ async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
                            None, "too_many_streams", retry_headers(1.0))
         yield
     finally:
-        state.batcher.fire("DECR", counter)
+        state.batcher.fire("EVAL", _RELEASE_SLOT, 1, counter)
 
 
-def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:
+_RELEASE_SLOT = ("if (tonumber(redis.call('GET', KEYS[1])) or 0) > 0 then "
+                 "return redis.call('DECR', KEYS[1]) end return 0")
+
+
+def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller) -> None:
     if not state.directory.redis_ok:
         raise APIError(503, "Redis is unreachable; the request cannot be queued", None, "redis_unavailable",
                        retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
@@ -196,7 +211,7 @@ def _check_model(state: GatewayState, parsed: schema.ParsedRequest) -> None:
                        retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
     model = view.models.get(parsed.model)
     if model is None:
-        served = ", ".join(sorted(view.models)) or "none"
+        served = ", ".join(sorted(m for m in view.models if not caller.models or m in caller.models)) or "none"
         raise APIError(404, f"model '{parsed.model}' is not served here (served: {served})",
                        "model", "model_not_found")
     if parsed.sampling.max_tokens >= model.max_context:

@@ -138,6 +138,8 @@ def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: 
         raw = _decoders[kind].decode(body)
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply", code="invalid_json") from None
     except msgspec.DecodeError as exc:
         text = str(exc)
         if "UTF-8" in text:

@@ -65,6 +65,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     admission_control: bool = True
     """Off: every request is queued (for measuring what admission control buys)."""
     max_body_bytes: int = 1 << 20
+    client_timeout_s: float = 30.0
+    """A connection with no complete request for this long (idle between requests, or headers
+    that never end) is closed, and a body that does not arrive in this long is a 408."""
     default_max_tokens: int = 256
     """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
     max_messages: int = 256
@@ -187,8 +190,9 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
-                "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "heartbeat_interval_s", "heartbeat_ttl_s",
-                "claim_idle_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
+                "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
+                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s",
+                "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")

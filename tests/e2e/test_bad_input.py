@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, start_stack
 from slogate.processes import Stack
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -101,6 +103,11 @@ async def test_malformed_json(stack: Stack) -> None:
     assert status == 400 and "empty" in resp["error"]["message"]
     status, resp, _ = await call(stack, CHAT, data=b"[1, 2]")
     assert status == 400 and "object" in resp["error"]["message"]
+    deep = b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "metadata": {"a": %s1%s}}' % (
+        MODEL.encode(), b"[" * 5000, b"]" * 5000)
+    status, resp, _ = await call(stack, CHAT, data=deep)
+    assert status == 400 and resp["error"]["code"] == "invalid_json"
+    assert_error(resp, None, "nested too deeply")
 
 
 async def test_broken_utf8(stack: Stack) -> None:
@@ -169,3 +176,25 @@ async def test_oversized_header_is_refused_and_gateway_stays_up(stack: Stack) ->
             assert "8190 bytes" in await r.text()
     status, _, _ = await call(stack, "/healthz", method="GET")
     assert status == 200
+
+
+async def test_slow_clients_are_cut_off(redis_server) -> None:
+    """A body that does not arrive is a 408; headers that never end close the connection."""
+    slow = start_stack(redis_server, decode_base_s=0.001, SLOGATE_CLIENT_TIMEOUT_S="1")
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", slow.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(4096), 10)
+        assert head.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in head, head
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", slow.port)
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b"", "the connection is closed, nothing answered"
+        writer.close()
+        status, _, _ = await call(slow, "/healthz", method="GET")
+        assert status == 200
+    finally:
+        slow.stop()

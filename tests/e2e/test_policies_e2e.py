@@ -87,6 +87,9 @@ async def test_models_need_a_key_and_list_only_what_the_key_may_use(guarded: lis
 async def test_key_limited_to_other_models_is_403(guarded: list[Stack]) -> None:
     status, body, _ = await post(guarded[0].url, SCORE, key="sk-ana")
     assert status == 403 and body["error"]["param"] == "model"
+    status, body, _ = await post(guarded[0].url, {**SCORE, "model": "other-model"}, key="sk-ana")
+    assert status == 404 and "(served: none)" in body["error"]["message"], "only the models the key may use"
+    assert MODEL not in body["error"]["message"]
 
 
 async def test_key_default_class_and_reason_headers(guarded: list[Stack]) -> None:
@@ -134,3 +137,33 @@ async def test_concurrent_streams_per_key_are_capped(guarded: list[Stack], redis
     assert status == 429 and body["error"]["code"] == "too_many_streams"
     status, _, _ = await post(guarded[1].url, {**SCORE, "stream": True}, key="sk-rep")
     assert status == 200
+
+
+async def test_a_stream_count_that_expired_under_open_streams_never_goes_negative(
+        guarded: list[Stack], redis_server: LocalRedis) -> None:
+    """Were a release to take an expired count below zero, the key would get slots beyond
+    its limit for as long as the count lives."""
+    client = redis.Redis.from_url(redis_server.url)
+    counter = "slogate:streams:reports"
+    try:
+        body = {**SCORE, "stream": True, "max_tokens": 300}
+        async with aiohttp.ClientSession() as s, s.post(guarded[1].url + "/v1/chat/completions", json=body,
+                                                         headers={"Authorization": "Bearer sk-rep"}) as r:
+            await r.content.readline()
+            assert client.get(counter) == b"1"
+            client.delete(counter)  # as if it expired
+            await r.read()
+        await asyncio.sleep(0.3)
+        assert client.get(counter) in (None, b"0")
+    finally:
+        client.delete(counter)
+        client.close()
+
+
+async def test_a_key_that_is_not_utf8_is_refused_as_unknown(guarded: list[Stack]) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", guarded[0].port)
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfesk-pay\r\n"
+                 b"Connection: close\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:200]
