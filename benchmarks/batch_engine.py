@@ -271,6 +271,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of the paged engine (a fresh one each) and of vLLM; the median counts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--name", help="results file stem (default: from the options)")
     args = parser.parse_args()
     args.requests = args.requests or (32 if args.workload == "reference" else 64)
 
@@ -360,7 +361,7 @@ def report(
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"batch_engine_{args.size}_{args.workload}_{args.dtype}"
+    stem = args.name or f"batch_engine_{args.size}_{args.workload}_{args.dtype}"
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     payload = {
         "size": args.size,

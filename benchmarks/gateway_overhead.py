@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--rates", default="1500,2000", help="open-loop arrival rates, requests/s")
     parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD))
+    parser.add_argument("--name", default="gateway_overhead", help="results file stem")
     args = parser.parse_args()
 
     rates = [float(r) for r in args.rates.split(",")]
@@ -146,7 +147,7 @@ def main() -> None:
               f"max_tokens <= 8) from {Path(args.workload).name}; gateway path = one gateway process + "
               f"Redis + sim workers with zero engine time. Latency is end to end at the client.\n\n")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gateway_overhead.md").write_text(header + table + "\n")
+    (RESULTS / f"{args.name}.md").write_text(header + table + "\n")
     print(header + table)
 
 

@@ -53,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=20000, help="commands of each kind per measurement")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--name", default="redis_transport", help="results file stem")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +69,7 @@ def main() -> None:
                             "XREAD redis us"], rows)
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    (RESULTS / "redis_transport.md").write_text(
+    (RESULTS / f"{args.name}.md").write_text(
         f"# Redis command cost by transport\n\n{stamp}, {os.cpu_count()} cores; {args.n} commands of each kind "
         f"per row, CPU time per command (client: redis-py asyncio on uvloop; redis: redis-server).\n\n{table}\n")
     print(table)

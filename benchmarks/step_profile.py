@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (the GPU if there is one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--name", help="results file stem (default: from the options)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,7 +125,7 @@ def main() -> None:
     ])
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"step_profile_{args.size}_{dtype}_{device.type}.md").write_text(text + "\n")
+    (RESULTS / f"{args.name or f'step_profile_{args.size}_{dtype}_{device.type}'}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
