@@ -12,7 +12,6 @@ from pathlib import Path
 from benchmarks.loadgen import markdown_table
 from slogate.crypto import Sealer, generate_key, parse_key_ring
 
-
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
