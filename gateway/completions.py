@@ -137,8 +137,8 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     request_id = os.urandom(16).hex()
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
-        deadline=deadline, enqueued_at=arrived, reply=state.mux.key, prompt=parsed.prompt, messages=parsed.messages,
-        stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive)
+        deadline=deadline, enqueued_at=time.time(), reply=state.mux.key, prompt=parsed.prompt,
+        messages=parsed.messages, stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive)
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": admission}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id, keep_alive=parsed.stream), arrived, headers)
