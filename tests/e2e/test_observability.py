@@ -73,7 +73,8 @@ async def test_one_trace_links_gateway_and_worker(traced) -> None:
     gateway_ids = {sp["context"]["span_id"] for sp in gateway_spans}
     assert all(sp["parent_id"] in gateway_ids for sp in mine), "worker spans must hang off the gateway's"
     assert all(sp["resource"]["attributes"]["service.name"] == "slogate-worker" for sp in mine)
-    admitted = [sp["end_time"] for sp in gateway_spans if sp["name"] == "admit" and sp["context"]["trace_id"] == trace_id]
+    admitted = [sp["end_time"] for sp in gateway_spans
+                if sp["name"] == "admit" and sp["context"]["trace_id"] == trace_id]
     [queued] = [sp["start_time"] for sp in mine if sp["name"] == "queue_wait"]
     assert queued >= admitted[0], "the queue wait starts when the request is queued, after admission"
 
