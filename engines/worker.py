@@ -319,8 +319,10 @@ class Worker:
         """Settle requests stopped early: acknowledged, and told ``error`` when their gateway
         still waits (a deadline, an engine failure); a cancel needs no answer. Written with
         the step records, after those already queued for the same requests."""
+        now = time.time()
         for job in jobs:
             self.metrics.finished(error.code if error else "cancelled")
+            self._trace(job, now, job.tokens, error.code if error else "cancelled")
             if error is not None:
                 self._write(job, msgspec.structs.replace(error, attempt=job.attempt))
         self._ack([j.entry_id for j in jobs])
@@ -394,7 +396,7 @@ class Worker:
                 if out.finish_reason is None:
                     continue
                 self.metrics.finished(out.finish_reason)
-                self._trace(job, now, out)
+                self._trace(job, now, out.completion_tokens, out.finish_reason, out.prompt_tokens)
                 self._write(job, Final(
                     out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
                     queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
@@ -405,17 +407,21 @@ class Worker:
             self.metrics.tokens.inc(generated)
         self._ack(done)
 
-    def _trace(self, job: _InFlight, now: float, out: StepOutput) -> None:
-        """Queue wait, prefill and decode as spans of the gateway's trace."""
+    def _trace(self, job: _InFlight, now: float, completion_tokens: int, outcome: str,
+               prompt_tokens: int = 0) -> None:
+        """Queue wait, prefill and decode as spans of the gateway's trace, for a request that
+        ended here however it ended (``slogate.outcome``): a cancelled or late one shows where
+        its time went too. Decode only once there was a first token."""
         if not tracing.enabled() or not job.req.trace:
             return
         first = job.first_token_at or now
-        attrs = {"slogate.worker": self.s.worker_id, "slogate.pool": self.s.pool}
+        attrs = {"slogate.worker": self.s.worker_id, "slogate.pool": self.s.pool, "slogate.outcome": outcome}
         tracing.record("queue_wait", job.req.trace, job.req.enqueued_at, job.received_at, **attrs)
         tracing.record("prefill", job.req.trace, job.received_at, first,
-                       **attrs, **{"slogate.prompt_tokens": out.prompt_tokens})
-        tracing.record("decode", job.req.trace, first, now,
-                       **attrs, **{"slogate.completion_tokens": out.completion_tokens})
+                       **attrs, **({"slogate.prompt_tokens": prompt_tokens} if prompt_tokens else {}))
+        if job.first_token_at:
+            tracing.record("decode", job.req.trace, first, now,
+                           **attrs, **{"slogate.completion_tokens": completion_tokens})
 
     def _write(self, job: _InFlight, msg: Delta | Final | Error) -> None:
         """Queue a record for the request's gateway (sent by :meth:`_flush`)."""

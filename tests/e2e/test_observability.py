@@ -175,9 +175,13 @@ async def test_a_client_that_leaves_is_logged_and_traced_with_its_status(traced)
         lines = [json.loads(line) for line in (traces / "gateway-0.log").read_text().splitlines()
                  if line.startswith("{")]
         left = [line for line in lines if line.get("request_id") == "log-gone" and "closed" in line["msg"]]
-        if left and {"log-gone", "trace-400"} <= roots.keys():
+        at_worker = [sp for sp in spans(traces / "worker.jsonl") if "log-gone" in roots
+                     and sp["context"]["trace_id"] == roots["log-gone"]["context"]["trace_id"]]
+        if left and {"log-gone", "trace-400"} <= roots.keys() and len(at_worker) == 3:
             break
         time.sleep(0.1)
+    assert {sp["name"] for sp in at_worker} == {"queue_wait", "prefill", "decode"}
+    assert {sp["attributes"]["slogate.outcome"] for sp in at_worker} == {"cancelled"}
     assert len(left) == 1 and left[0]["level"] == "info"
     assert left[0]["trace_id"] == roots["log-gone"]["context"]["trace_id"][2:]
     assert roots["log-gone"]["attributes"]["http.response.status_code"] == 499
