@@ -90,6 +90,7 @@ class Worker:
         self._acks: list[bytes] = []
         """Queue entries to acknowledge once the records before them are written."""
         self._send_wake = asyncio.Event()
+        self._quiet_step_s = 0.0
         self.metrics = WorkerMetrics(settings.pool, settings.worker_id, engine.name)
 
     async def run(self) -> None:
@@ -470,12 +471,15 @@ class Worker:
     def heartbeat(self) -> Heartbeat:
         load = self.engine.load()
         self.metrics.load(load)
+        if load.decode_step_s and load.running <= 1:
+            self._quiet_step_s = min(self._quiet_step_s or load.decode_step_s, load.decode_step_s)
         return Heartbeat(
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
             running=load.running, waiting=load.waiting + self._preparing, capacity=load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
-            decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq, ts=time.time())
+            decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq,
+            quiet_step_s=self._quiet_step_s, ts=time.time())
 
     async def _heartbeat_loop(self) -> None:
         key = keys.heartbeat(self.s.pool, self.s.worker_id)

@@ -53,6 +53,8 @@ class WorkerLoad(Protocol):
     @property
     def decode_s_per_seq(self) -> float: ...
     @property
+    def quiet_step_s(self) -> float: ...
+    @property
     def models(self) -> Sequence[ModelLike]: ...
 
 
@@ -167,6 +169,8 @@ class PoolLoad:
     when the workers do not say."""
     running: int
     """Requests running on these workers at their last heartbeat."""
+    quiet_step_s: float
+    """The shortest quiet decode step any of these workers reported; 0 when none did."""
     hint: str | None
     """The worker that could start one more request soonest, counting its own step times."""
 
@@ -175,7 +179,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
     """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
     max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
     capacity = count = running = 0
-    cap_timed = prefill = decode = per_seq = 0.0
+    cap_timed = prefill = decode = per_seq = quiet = 0.0
     hint, best = None, 0.0
     prompt, completion = est.prompt_tokens, est.completion_tokens
     for w in workers:
@@ -194,6 +198,8 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
         capacity += cap
         count += 1
         running += w.running
+        if w.quiet_step_s and (not quiet or w.quiet_step_s < quiet):
+            quiet = w.quiet_step_s
         step = w.decode_step_s
         if step > 0:
             cap_timed += cap
@@ -208,7 +214,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
             hint, best = w.worker_id, score
     if cap_timed:
         prefill, decode, per_seq = prefill / cap_timed, decode / cap_timed, per_seq / cap_timed
-    return PoolLoad(capacity, count, prefill, decode, per_seq, running, hint)
+    return PoolLoad(capacity, count, prefill, decode, per_seq, running, quiet, hint)
 
 
 def unseen_growth(in_flight: int, load: PoolLoad) -> float:
@@ -302,12 +308,15 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
 
 def floor_service(load: PoolLoad, c: Costs, prompt_tokens: int, max_tokens: int, stream: bool) -> float:
     """Service time on an idle pool: engine time alone, at the workers' own prompt cost and
-    their decode step with one request running, where they report them; else the costs the
+    their decode step with one request running, where they report them, and never above their
+    quiet step (a host busy with other work slows every step, and passes); else the costs the
     prediction uses. It decides that a request can never fit, which the client is told not to
-    retry, so it leaves out what load and hops may add."""
+    retry, so it leaves out what load, contention and hops may add."""
     if load.decode_s_per_token:
         busy = load.decode_s_per_seq * max(load.running / load.workers - 1, 0.0)
         idle_step = max(load.decode_s_per_token - busy, load.decode_s_per_seq)
+        if load.quiet_step_s:
+            idle_step = min(idle_step, load.quiet_step_s)
         c = c._replace(decode_s_per_token=min(c.decode_s_per_token, idle_step))
     if load.prefill_s_per_token:
         c = c._replace(prefill_fixed_s=0.0, prefill_s_per_token=min(c.prefill_s_per_token, load.prefill_s_per_token))

@@ -129,6 +129,10 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     decode_step_s: float = 0.0
     decode_s_per_seq: float = 0.0
     """What one more running request adds to ``decode_step_s``; 0 when the engine does not know."""
+    quiet_step_s: float = 0.0
+    """The shortest decode step this worker has reported with at most one request running: its
+    step when nothing else slows it, by which a request that can never fit is told apart from
+    one that meets a busy or contended moment. 0 until it has one."""
     ts: float = 0.0
     v: int = VERSION
 

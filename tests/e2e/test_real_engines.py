@@ -83,18 +83,24 @@ def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> 
 
 
 def test_heartbeats_carry_engine_load(engines_stack) -> None:
-    stack, _ = engines_stack
+    stack, model = engines_stack
+    sdk = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    for cls in ("interactive", "batch"):  # one request at a time: steps of a quiet worker
+        sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=4, extra_headers={"x-slogate-class": cls})
     client = redis.Redis.from_url(stack.redis_url)
     beats = {}
     deadline = time.monotonic() + 5
-    while len(beats) < 2 and time.monotonic() < deadline:
-        beats = {hb.pool: hb for hb in (protocol.decode_heartbeat(client.get(k)) for k in client.scan_iter("slogate:hb:*"))}
+    while not (len(beats) == 2 and all(b.quiet_step_s for b in beats.values())) and time.monotonic() < deadline:
+        beats = {hb.pool: hb for hb in (protocol.decode_heartbeat(client.get(k))
+                                        for k in client.scan_iter("slogate:hb:*"))}
         time.sleep(0.1)
     client.close()
     assert beats["batch"].engine == "paged" and beats["interactive"].engine == "stream"
     assert beats["batch"].capacity > 0 and 0.0 <= beats["batch"].kv_usage <= 1.0
     assert beats["interactive"].models[0].max_context >= 2048
     assert beats["interactive"].decode_s_per_seq > 0  # admission projects a burst's steps from it
+    for beat in beats.values():
+        assert 0 < beat.quiet_step_s <= beat.decode_step_s
 
 
 def test_a_prompt_the_gateway_guesses_too_long_is_served_when_it_fits(engines_stack) -> None:

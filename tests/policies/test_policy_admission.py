@@ -14,10 +14,11 @@ BUDGET = 0.150 / 1.2
 
 
 def hb(worker_id: str, running: int = 0, waiting: int = 0, capacity: int = 8, decode: float = 0.01,
-       prefill: float = 0.0001, per_seq: float = 0.0) -> Heartbeat:
+       prefill: float = 0.0001, per_seq: float = 0.0, quiet: float = 0.0) -> Heartbeat:
     return Heartbeat(worker_id=worker_id, pool="p", engine="sim", models=[ModelInfo("m", 8192)],
                      running=running, waiting=waiting, capacity=capacity,
-                     prefill_s_per_token=prefill, decode_step_s=decode, decode_s_per_seq=per_seq)
+                     prefill_s_per_token=prefill, decode_step_s=decode, decode_s_per_seq=per_seq,
+                     quiet_step_s=quiet)
 
 
 def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: int = 64,
@@ -67,6 +68,18 @@ def test_streamed_requests_are_judged_on_the_first_token() -> None:
     long_answer = ask(ctl, signals(), max_tokens=400)
     assert (long_answer.outcome, long_answer.reason, long_answer.retry_after_s) == ("shed", "exceeds-objective", 0.0)
     assert ask(ctl, signals(), stream=True, max_tokens=400).admitted
+
+
+def test_a_host_busy_with_other_work_is_overload_not_a_request_that_never_fits() -> None:
+    """Steps of 20 ms while another job holds the cores: 8 tokens miss the budget now, but the
+    worker's quiet step (4 ms) says they fit once the host is free, so the client may retry."""
+    def contended(quiet: float) -> dict[str, PoolSignals]:
+        return {"interactive": PoolSignals("interactive", 1, [hb("i1", running=1, decode=0.02, quiet=quiet)])}
+
+    never = ask(AdmissionController(CFG), contended(quiet=0.0), max_tokens=8)
+    assert (never.outcome, never.reason) == ("shed", "exceeds-objective")
+    later = ask(AdmissionController(CFG), contended(quiet=0.004), max_tokens=8)
+    assert (later.outcome, later.reason) == ("shed", "overloaded") and later.retry_after_s > 0
 
 
 def test_interactive_decisions_do_not_depend_on_batch_demand() -> None:
