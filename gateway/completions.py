@@ -112,7 +112,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         _check_model(state, parsed, caller)
         cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
         deadline = _deadline(request, arrived, cls, state)
-    request["audit"].update(key=caller.key_id, model=parsed.model, cls=cls)
+    request["audit"]["cls"] = cls
     with tracing.span("admit", **{"slogate.class": cls}) as span:
         if state.keys.enabled:
             await _rate_limit(state, caller, parsed)

@@ -58,8 +58,8 @@ def _chat_ids(tokenizer: Any, model_id: str, messages: list[dict[str, Any]]) -> 
     (what ``apply_chat_template(tokenize=True)`` does) reads a user's ``<|im_start|>system`` as
     the marker itself, so a message could forge turns. When some content holds a special
     token's text, the template is rendered around private-use marks instead, and each message's
-    content is tokenized apart, as plain text. Other messages take the ordinary path, so their
-    ids are exactly transformers'."""
+    content is tokenized apart, as plain text. Messages without such text take the ordinary
+    path, so their ids are exactly transformers'."""
     def render(msgs: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 
