@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import aiohttp
@@ -167,3 +168,24 @@ async def test_a_key_that_is_not_utf8_is_refused_as_unknown(guarded: list[Stack]
     answer = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:200]
+
+
+async def test_requests_without_a_key_cannot_flood_the_audit_trail(guarded: list[Stack],
+                                                                   redis_server: LocalRedis) -> None:
+    """One record a second with their count, however many come: the trail is trimmed by
+    length, and they must not push the real records out."""
+    client = redis.Redis.from_url(redis_server.url)
+
+    def refused() -> list[dict]:
+        return [r for _, fields in client.xrange("slogate:audit") for line in fields[b"e"].splitlines()
+                if (r := json.loads(line))["status"] == 401]
+
+    await asyncio.sleep(1.2)  # earlier tests' refusals are written
+    before = refused()
+    for _ in range(40):
+        assert (await post(guarded[0].url, SCORE))[0] == 401
+    await asyncio.sleep(1.5)
+    new = refused()[len(before):]
+    client.close()
+    assert sum(r["count"] for r in new) == 40 and len(new) <= 3
+    assert all(r["outcome"] == "unauthenticated" for r in new)
