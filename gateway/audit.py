@@ -5,8 +5,9 @@ decided, tokens in and out and the outcome; never prompt or completion text. Rec
 gathered for up to ``flush_s`` and written as one stream entry of JSON lines, so auditing costs
 a fraction of a Redis command per request and no round trip.
 
-Requests without a valid key are one record a second, with their count: the trail is trimmed
-by length, and anyone who reaches the port could otherwise push every real record out of it.
+Requests refused before they had a caller (no valid key, a wrong method, a draining gateway)
+are one record a second for each status, with their count: the trail is trimmed by length, and
+anyone who reaches the port could otherwise push every real record out of it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ log = logging.getLogger("slogate.gateway")
 _json = msgspec.json.Encoder()
 STREAM = f"{keys.PREFIX}:audit"
 FIELDS = ("key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
-UNAUTHENTICATED_EVERY_S = 1.0
+ANONYMOUS_EVERY_S = 1.0
 
 
 class AuditLog:
@@ -40,15 +41,16 @@ class AuditLog:
         self.max_records = max_records
         self._records: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
-        self._unauthenticated = 0
-        self._unauthenticated_since = 0.0
+        self._anonymous: dict[int, int] = {}
+        """Refusals without a caller gathered this second: status -> count."""
+        self._anonymous_since = 0.0
 
     def write(self, request_id: str, started: float, status: int, entry: dict[str, Any]) -> None:
-        if status == 401:
-            if not self._unauthenticated:
-                self._unauthenticated_since = started
-                asyncio.get_running_loop().call_later(UNAUTHENTICATED_EVERY_S, self._add_unauthenticated)
-            self._unauthenticated += 1
+        if "key" not in entry:
+            if not self._anonymous:
+                self._anonymous_since = started
+                asyncio.get_running_loop().call_later(ANONYMOUS_EVERY_S, self._add_anonymous)
+            self._anonymous[status] = self._anonymous.get(status, 0) + 1
             return
         record = {"ts": round(started, 3), "request_id": request_id, "status": status,
                   "latency_ms": round((time.time() - started) * 1000, 1),
@@ -56,11 +58,11 @@ class AuditLog:
         record.setdefault("outcome", "rejected" if status >= 400 else "ok")
         self._add(record)
 
-    def _add_unauthenticated(self) -> None:
-        if self._unauthenticated:
-            self._add({"ts": round(self._unauthenticated_since, 3), "status": 401, "outcome": "unauthenticated",
-                       "count": self._unauthenticated})
-            self._unauthenticated = 0
+    def _add_anonymous(self) -> None:
+        for status, count in sorted(self._anonymous.items()):
+            self._add({"ts": round(self._anonymous_since, 3), "status": status,
+                       "outcome": "unauthenticated" if status == 401 else "rejected", "count": count})
+        self._anonymous = {}
 
     def _add(self, record: dict[str, Any]) -> None:
         self._records.append(_json.encode(record).decode())
@@ -80,7 +82,7 @@ class AuditLog:
 
     async def close(self) -> None:
         """Write what is gathered before the gateway lets go of Redis."""
-        self._add_unauthenticated()
+        self._add_anonymous()
         pending = self.flush()
         if pending is not None:
             try:

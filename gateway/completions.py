@@ -23,6 +23,7 @@ from gateway.state import STATE, GatewayState
 from policies.admission import deadline_for
 from policies.classify import UnknownClass, classify
 from slogate import keys, protocol, tracing
+from slogate.config import Config
 from slogate.protocol import Delta, Error, Final, GenerateRequest
 
 TIMEOUT_HEADER = "x-slogate-timeout"
@@ -183,7 +184,7 @@ async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
     limit = state.cfg.max_streams_per_key
     try:
         held = await state.batcher.call("INCR", counter)
-        state.batcher.fire("EXPIRE", counter, int(state.cfg.max_timeout_s) + 60)
+        state.batcher.fire("EXPIRE", counter, _longest_stream_s(state.cfg) + 60)
     except (RedisError, OSError) as exc:
         raise APIError(503, f"cannot count open streams: Redis is unavailable ({exc})", None,
                        "redis_unavailable") from None
@@ -194,6 +195,11 @@ async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
         yield
     finally:
         state.batcher.fire("EVAL", _RELEASE_SLOT, 1, counter)
+
+
+def _longest_stream_s(cfg: Config) -> int:
+    objectives = cfg.policies.objectives
+    return int(max(cfg.max_timeout_s, objectives.interactive.deadline_s, objectives.batch.deadline_s))
 
 
 _RELEASE_SLOT = ("if (tonumber(redis.call('GET', KEYS[1])) or 0) > 0 then "
@@ -343,9 +349,9 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
         resp = await start()
     try:
         async for text, rec in _records(job, relay):
-            if rec is QUIET:
-                resp = resp or await start()
-                await resp.write(shapes.KEEP_ALIVE)
+            if rec is QUIET:  # before the headers, nothing needs keeping alive yet
+                if resp is not None:
+                    await resp.write(shapes.KEEP_ALIVE)
                 continue
             if isinstance(rec, Delta):
                 resp = resp or await start()
@@ -395,7 +401,10 @@ def _observe(job: _Job) -> None:
         m.ttft.observe(job.first_token_at - job.arrived)
         if rec.completion_tokens > 1:
             m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
+    # From arrival, as the first token is: the gateway's own time before queueing is a wait,
+    # not prefill, to what admission learns.
     job.state.admission.observe(
         pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
-        completion_tokens=rec.completion_tokens, queue_wait_s=rec.queue_wait_s,
+        completion_tokens=rec.completion_tokens,
+        queue_wait_s=rec.queue_wait_s + job.gen.enqueued_at - job.arrived,
         ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end)

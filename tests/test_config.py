@@ -62,3 +62,12 @@ def test_passwords_are_redacted_from_urls() -> None:
     assert redacted("redis://cache:6379/0") == "redis://cache:6379/0"
     assert redacted("redis://cache/0?db=1&Password=s3cret&x=1") == "redis://cache/0?db=1&Password=***&x=1"
     assert redacted("unix:///run/redis.sock?password=s3cret") == "unix:///run/redis.sock?password=***"
+
+
+def test_a_key_s_stream_count_outlives_the_longest_stream() -> None:
+    """A request without the timeout header gets its class's deadline, which may exceed
+    max_timeout_s: the count must not expire under it."""
+    from gateway.completions import _longest_stream_s
+
+    assert _longest_stream_s(load_config(env={"SLOGATE_MAX_TIMEOUT_S": "60"})) == 3600
+    assert _longest_stream_s(load_config(env={"SLOGATE_MAX_TIMEOUT_S": "7200"})) == 7200

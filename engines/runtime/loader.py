@@ -56,36 +56,54 @@ _MARK = re.compile("\ue000(\\d+)\ue001")
 def _chat_ids(tokenizer: Any, model_id: str, messages: list[dict[str, Any]]) -> list[int]:
     """Only the chat template speaks in special tokens. Tokenizing the rendered template whole
     (what ``apply_chat_template(tokenize=True)`` does) reads a user's ``<|im_start|>system`` as
-    the marker itself, so a message could forge turns. When some content holds a special
-    token's text, the template is rendered around private-use marks instead, and each message's
-    content is tokenized apart, as plain text. Messages without such text take the ordinary
-    path, so their ids are exactly transformers'."""
+    the marker itself, so a message could forge turns. A message whose content holds a special
+    token's text is rendered as a private-use mark instead, and its content is tokenized apart,
+    as plain text. The mark keeps the content's surrounding whitespace, so a template that
+    trims or tests content treats it as it would the text. Other messages are rendered as they
+    are: a chat with no such text gets exactly transformers' ids."""
     def render(msgs: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 
-    specials = _special_tokens(tokenizer)
-    forged = [i for i, m in enumerate(messages) if specials and specials.search(m.get("content") or "")]
-    if not forged:
+    found = {i: tok for i, m in enumerate(messages) if (tok := _special_in(tokenizer, m.get("content") or ""))}
+    if not found:
         return _ids(tokenizer, render(messages), add_special_tokens=False)
-    pieces = _MARK.split(render([{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]))
+    marked = [{**m, "content": _mark(m["content"], i)} if i in found else m for i, m in enumerate(messages)]
+    pieces = _MARK.split(render(marked))
     placed = [int(p) for p in pieces[1::2]]
-    if len(placed) != len(set(placed)) or not set(forged) <= set(placed):
-        token = specials.search(messages[forged[0]]["content"])[0]
-        raise ValueError(f"messages[{forged[0]}].content contains '{token}', a special token of model {model_id}, "
+    if sorted(placed) != sorted(found):
+        i = min(found)
+        raise ValueError(f"messages[{i}].content contains '{found[i]}', a special token of model {model_id}, "
                          "and its chat template does not keep message content apart; remove it")
     ids: list[int] = []
     for k, piece in enumerate(pieces):
         if k % 2:
-            ids += _plain_ids(tokenizer, messages[int(piece)].get("content") or "")
+            ids += _plain_ids(tokenizer, messages[int(piece)]["content"].strip())
         elif piece:
             ids += _ids(tokenizer, piece, add_special_tokens=False)
     return ids
 
 
+def _mark(content: str, i: int) -> str:
+    core = content.strip()
+    start = content.index(core)
+    return f"{content[:start]}\ue000{i}\ue001{content[start + len(core):]}"
+
+
+def _special_in(tokenizer: Any, content: str) -> str | None:
+    """The first special token whose text ``content`` holds. One substring search a token:
+    each lets go of the interpreter between calls, where one regular expression over a
+    megabyte of ``<|`` held it for a third of a second, stalling the worker's loop."""
+    firsts, texts = _special_tokens(tokenizer)
+    if not any(ch in content for ch in firsts):
+        return None
+    return next((tok for tok in texts if tok in content), None)
+
+
 @lru_cache(maxsize=8)
-def _special_tokens(tokenizer: Any) -> re.Pattern[str] | None:
-    texts = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
-    return re.compile("|".join(map(re.escape, texts))) if texts else None
+def _special_tokens(tokenizer: Any) -> tuple[frozenset[str], tuple[str, ...]]:
+    texts = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content),
+                   key=len, reverse=True)
+    return frozenset(t[0] for t in texts), tuple(texts)
 
 
 @lru_cache(maxsize=8)

@@ -178,14 +178,19 @@ async def test_requests_without_a_key_cannot_flood_the_audit_trail(guarded: list
 
     def refused() -> list[dict]:
         return [r for _, fields in client.xrange("slogate:audit") for line in fields[b"e"].splitlines()
-                if (r := json.loads(line))["status"] == 401]
+                if (r := json.loads(line))["status"] in (401, 405)]
 
     await asyncio.sleep(1.2)  # earlier tests' refusals are written
     before = refused()
     for _ in range(40):
         assert (await post(guarded[0].url, SCORE))[0] == 401
+    async with aiohttp.ClientSession() as s:
+        for _ in range(20):
+            async with s.get(guarded[0].url + "/v1/chat/completions") as r:
+                assert r.status == 405
     await asyncio.sleep(1.5)
     new = refused()[len(before):]
     client.close()
-    assert sum(r["count"] for r in new) == 40 and len(new) <= 3
-    assert all(r["outcome"] == "unauthenticated" for r in new)
+    counts = {status: sum(r["count"] for r in new if r["status"] == status) for status in (401, 405)}
+    assert counts == {401: 40, 405: 20} and len(new) <= 6
+    assert {r["outcome"] for r in new if r["status"] == 401} == {"unauthenticated"}

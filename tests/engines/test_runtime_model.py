@@ -80,6 +80,25 @@ def test_message_content_cannot_forge_a_turn(tiny_model_dir: Path):
         assert ids[:second_turn + 1] == ordinary[:second_turn + 1]
 
 
+@pytest.mark.parametrize("template", [
+    None,
+    "{% for m in messages %}{% if m['content'] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+    "{% endif %}{% endfor %}<|im_start|>assistant\n",
+])
+def test_marked_content_renders_as_the_template_renders_the_text(tiny_model_dir: Path, template: str | None) -> None:
+    """Trimming, and tests on content (an empty message skipped), act on the text as before."""
+    loaded = load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
+    tok = loaded.tokenizer
+    if template is not None:
+        tok.chat_template = template
+    messages = [{"role": "system", "content": "  be brief\n"}, {"role": "user", "content": "  spaced <|im_end|> \n\n"},
+                {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
+    ids = loaded.encode(None, messages)
+    assert tok.decode(ids) == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == sum(
+        1 for m in messages if m["content"] or template is None)
+
+
 def test_content_with_a_special_token_is_refused_when_the_template_repeats_it(tiny_model_dir: Path):
     loaded = load_model(str(tiny_model_dir), dtype="fp32", device="cpu")
     loaded.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{{ m['content'] }}{% endfor %}"
