@@ -1,0 +1,34 @@
+"""What a finished request teaches admission (pure logic: real metrics and controller)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.completions import _Job, _observe
+from gateway.metrics import GatewayMetrics
+from gateway.schema import ParsedRequest
+from policies.admission import AdmissionController
+from policies.config import load
+from slogate.protocol import Final, GenerateRequest, SamplingParams
+
+
+def test_the_gateways_time_before_queueing_is_not_learned_as_prefill() -> None:
+    """20 ms from arrival to the queue (reading, parsing, admission), 1 ms queued, a first token
+    10 ms later: the 200-token prompt took the last 9 ms, not 29 ms."""
+    now = time.time()
+    arrived, enqueued = now - 0.040, now - 0.020
+    admission = AdmissionController(load({}))
+    state = SimpleNamespace(metrics=GatewayMetrics(), admission=admission)
+    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
+                          deadline=now + 30, enqueued_at=enqueued, reply="x", stream=True)
+    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=False, sampling=SamplingParams(),
+                           max_tokens_given=True)
+    job = _Job(state, parsed, gen, None, arrived, {}, first_token_at=now - 0.010, outcome="length",
+               final=Final("length", 200, 1, queue_wait_s=0.001, ttft_s=0.010))
+    decode = admission.estimate("interactive").decode_s_per_token
+    _observe(job)
+    learned = admission.estimate("interactive").prefill_s_per_token
+    assert decode < 0.009 and learned * 200 == pytest.approx(0.009 - decode, abs=1e-6)
