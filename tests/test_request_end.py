@@ -32,3 +32,30 @@ def test_the_gateways_time_before_queueing_is_not_learned_as_prefill() -> None:
     _observe(job)
     learned = admission.estimate("interactive").prefill_s_per_token
     assert decode < 0.009 and learned * 200 == pytest.approx(0.009 - decode, abs=1e-6)
+
+
+async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_200() -> None:
+    """A keep-alive queued ahead of a worker's immediate refusal: the refusal is still the
+    answer, with its own status, not a 200 and an error event."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.completions import _stream
+    from gateway.errors import APIError
+    from gateway.results import QUIET, Subscription
+    from slogate.protocol import Error
+
+    now = time.time()
+    sub = Subscription("r", keep_alive=True)
+    sub.records.put_nowait(QUIET)
+    sub.records.put_nowait(Error("prompt beyond the model's context", "context_length_exceeded", 400, attempt=1))
+    sub.arrived.set()
+    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
+                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
+    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=False, sampling=SamplingParams(),
+                           max_tokens_given=True, messages=[{"role": "user", "content": "x"}])
+    job = _Job(SimpleNamespace(), parsed, gen, sub, now, {})
+    request = make_mocked_request("POST", "/v1/chat/completions")
+    request["request_id"] = "r"
+    with pytest.raises(APIError) as refused:
+        await _stream(request, job)
+    assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
