@@ -1,4 +1,4 @@
-"""What a finished request teaches admission (pure logic: real metrics and controller)."""
+"""How a request ends in the gateway: what it teaches admission, what a stream answers (pure logic)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def test_the_gateways_time_before_queueing_is_not_learned_as_prefill() -> None:
     assert decode < 0.009 and learned * 200 == pytest.approx(0.009 - decode, abs=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
 async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_200() -> None:
     """A keep-alive queued ahead of a worker's immediate refusal: the refusal is still the
     answer, with its own status, not a 200 and an error event."""
