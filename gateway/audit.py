@@ -1,7 +1,10 @@
 """The audit trail: one record per completion request, in a Redis stream of bounded length.
 
 It says who (API key id, never the secret), when, which model and class, what admission
-decided, tokens in and out and the outcome; never prompt or completion text. Records are
+decided, tokens in and out and the outcome; never prompt or completion text. ``request_id`` is
+the client's ``x-request-id`` when it sent one, for finding a request by the client's own id;
+``id``, the id of the answer (``chatcmpl-...``), is the gateway's and unique to a request that
+was queued, so a client cannot repeat or forge it. Records are
 gathered for up to ``flush_s`` and written as one stream entry of JSON lines, so auditing costs
 a fraction of a Redis command per request and no round trip.
 
@@ -28,7 +31,7 @@ from slogate import keys
 log = logging.getLogger("slogate.gateway")
 _json = msgspec.json.Encoder()
 STREAM = f"{keys.PREFIX}:audit"
-FIELDS = ("key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
+FIELDS = ("id", "key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
 ANONYMOUS_EVERY_S = 1.0
 
 

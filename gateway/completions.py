@@ -144,6 +144,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
                "x-slogate-admission": admission}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id, keep_alive=parsed.stream), arrived, headers)
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
+    request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1
     state.metrics.in_flight.inc()
     try:

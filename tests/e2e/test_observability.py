@@ -84,25 +84,35 @@ async def test_audit_trail_has_every_request_and_no_text(traced) -> None:
     async with aiohttp.ClientSession() as s:
         ok = {"model": MODEL, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 3}
         async with s.post(stack.url + "/v1/chat/completions", json=ok, headers={"x-request-id": "audit-ok"}) as r:
-            answer = (await r.json())["choices"][0]["message"]["content"]
+            answer_body = await r.json()
+            answer = answer_body["choices"][0]["message"]["content"]
+        async with s.post(stack.url + "/v1/chat/completions", json=ok, headers={"x-request-id": "audit-ok"}) as r:
+            again = (await r.json())["id"]
         async with s.post(stack.url + "/v1/chat/completions", json={**ok, "model": "nope"},
                           headers={"x-request-id": "audit-404"}) as r:
             assert r.status == 404
     time.sleep(0.2)
-    records = audit_records(stack)
-    good, bad = records["audit-ok"], records["audit-404"]
+    lines = audit_lines(stack)
+    bad = next(r for r in lines if r.get("request_id") == "audit-404")
+    assert sorted(r["id"] for r in lines if r.get("request_id") == "audit-ok") == sorted(
+        [answer_body["id"], again]), "a repeated x-request-id: each record has its answer's own id"
+    good = next(r for r in lines if r.get("id") == answer_body["id"])
     assert good["status"] == 200 and good["key"] == "anonymous" and good["model"] == MODEL
     assert good["cls"] == "interactive" and good["decision"] == "fits" and good["outcome"] == "length"
     assert good["completion_tokens"] == 3 and good["prompt_tokens"] > 0
-    assert bad["status"] == 404 and bad["outcome"] == "rejected"
-    text = json.dumps(list(records.values()))
+    assert bad["status"] == 404 and bad["outcome"] == "rejected" and "id" not in bad
+    text = json.dumps(lines)
     assert SECRET_PROMPT not in text and answer.strip() not in text
 
 
-def audit_records(stack: Stack) -> dict[str, dict]:
+def audit_lines(stack: Stack) -> list[dict]:
     out = subprocess.run([sys.executable, "-m", "slogate.cli", "audit-export"], capture_output=True,
                          text=True, env=stack.env(), cwd=ROOT, check=True).stdout
-    return {r["request_id"]: r for r in map(json.loads, out.splitlines())}
+    return list(map(json.loads, out.splitlines()))
+
+
+def audit_records(stack: Stack) -> dict[str, dict]:
+    return {r["request_id"]: r for r in audit_lines(stack) if "request_id" in r}
 
 
 async def test_audit_trail_records_a_client_that_leaves_mid_stream(traced) -> None:
