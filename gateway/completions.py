@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -254,12 +254,15 @@ async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.Parsed
                    {"x-slogate-reason": f"rate-limit:{verdict.reason}", **retry_headers(verdict.retry_after_s)})
 
 
-async def _records(job: _Job, relay: Relay):
+async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[None]] | None = None):
     """Yield (new text, record) for each record that moves the answer on, until the last, and
-    (None, QUIET) when a stream has heard nothing for a while."""
+    (None, QUIET) when a stream has heard nothing for a while. ``before_wait`` is awaited
+    whenever no record is queued, before waiting for one."""
     try:
         async with asyncio.timeout(job.gen.deadline - time.time() + 0.25):
             while True:
+                if before_wait is not None and job.sub.records.empty():
+                    await before_wait()
                 rec = await job.sub.records.get()
                 if rec is QUIET:
                     yield None, rec
@@ -330,9 +333,12 @@ instead of a 200 and an error event; one still queued gets its headers soon all 
 
 
 async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
+    """Frames are sent once no other record is queued: records that arrived together (a
+    backlog, the last ones) go out in one write, one syscall and one wakeup of the client."""
     relay = Relay(streamed=True, deterministic=job.gen.sampling.deterministic)
     chunks = shapes.ChunkWriter(job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id),
                                 int(job.arrived), job.gen.model)
+    out: list[bytes] = []
 
     async def start() -> web.StreamResponse:
         resp = web.StreamResponse(headers={
@@ -340,38 +346,43 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
             "x-request-id": request["request_id"], "x-accel-buffering": "no"})
         await resp.prepare(request)
         if job.parsed.kind == "chat":
-            await resp.write(chunks.role())
+            out.append(chunks.role())
         return resp
+
+    async def send() -> None:
+        if out and resp is not None:
+            await resp.write(b"".join(out))
+            out.clear()
 
     resp = None
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(job.sub.arrived.wait(), STREAM_HOLD_S)
     if not job.sub.arrived.is_set():
         resp = await start()
+        await send()
     try:
-        async for text, rec in _records(job, relay):
+        async for text, rec in _records(job, relay, send):
             if rec is QUIET:  # before the headers, nothing needs keeping alive yet
                 if resp is not None:
-                    await resp.write(shapes.KEEP_ALIVE)
-                continue
-            if isinstance(rec, Delta):
+                    out.append(shapes.KEEP_ALIVE)
+            elif isinstance(rec, Delta):
                 resp = resp or await start()
                 use = shapes.usage(rec.prompt_tokens, rec.completion_tokens) if job.parsed.continuous_usage else None
-                await resp.write(chunks.text(text, use))
-                continue
-            err = _final_error(job, rec)
-            if err is not None:
-                raise err
-            resp = resp or await start()
-            await resp.write(chunks.finish(rec.finish_reason))
-            if job.parsed.include_usage:
-                await resp.write(chunks.usage(shapes.usage(rec.prompt_tokens, rec.completion_tokens)))
+                out.append(chunks.text(text, use))
+            else:
+                err = _final_error(job, rec)
+                if err is not None:
+                    raise err
+                resp = resp or await start()
+                out.append(chunks.finish(rec.finish_reason))
+                if job.parsed.include_usage:
+                    out.append(chunks.usage(shapes.usage(rec.prompt_tokens, rec.completion_tokens)))
     except APIError as err:
         if resp is None:  # nothing sent yet: the error is the answer, with its own status
             raise
-        await resp.write(shapes.sse_error(err.body()))
-    await resp.write(shapes.DONE)
-    await resp.write_eof()
+        out.append(shapes.sse_error(err.body()))
+    out.append(shapes.DONE)
+    await resp.write_eof(b"".join(out))
     return resp
 
 

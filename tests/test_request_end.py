@@ -60,3 +60,72 @@ async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_20
     with pytest.raises(APIError) as refused:
         await _stream(request, job)
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
+
+
+class _Writes:
+    """A response's payload writer that keeps what each call sent."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+        self.buffer_size = 0
+        self.output_size = 0
+
+    async def write_headers(self, status_line: str, headers) -> None:
+        self.calls.append(("headers", status_line.encode()))
+
+    def send_headers(self) -> None:
+        pass
+
+    async def write(self, data: bytes) -> None:
+        self.calls.append(("write", bytes(data)))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.calls.append(("eof", bytes(data)))
+
+    def enable_chunking(self) -> None:
+        pass
+
+    def enable_compression(self, *args) -> None:
+        pass
+
+
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+async def test_records_that_arrive_together_go_out_in_one_write() -> None:
+    """A record alone is sent at once; records queued together (a backlog, the last ones) are
+    sent in one write, each still a chunk of its own."""
+    import asyncio
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.completions import _stream
+    from gateway.results import Subscription
+    from slogate.protocol import Delta
+
+    now = time.time()
+    sub = Subscription("r", keep_alive=True)
+    sub.records.put_nowait(Delta("a", 0))
+    sub.arrived.set()
+    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
+                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
+    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=True, sampling=SamplingParams(),
+                           max_tokens_given=True, messages=[{"role": "user", "content": "x"}])
+    job = _Job(SimpleNamespace(), parsed, gen, sub, now, {})
+    writes = _Writes()
+    request = make_mocked_request("POST", "/v1/chat/completions", writer=writes)
+    request["request_id"] = "r"
+    streaming = asyncio.create_task(_stream(request, job))
+    while not any(kind == "write" for kind, _ in writes.calls):
+        await asyncio.sleep(0.001)
+    [(_, first)] = [c for c in writes.calls if c[0] == "write"]
+    assert first.count(b"data: ") == 2 and b'"role":"assistant"' in first and b'"content":"a"' in first
+
+    for text, offset in (("b", 1), ("c", 2)):
+        sub.records.put_nowait(Delta(text, offset))
+    sub.records.put_nowait(Final("stop", 3, 3))
+    await streaming
+    kinds = [kind for kind, _ in writes.calls]
+    assert kinds == ["headers", "write", "eof"], kinds
+    last = writes.calls[-1][1]
+    events = [e for e in last.split(b"\n\n") if e]
+    assert [e.split(b'"content":')[1][:3] for e in events[:2]] == [b'"b"', b'"c"']
+    assert b'"finish_reason":"stop"' in events[2] and b'"usage"' in events[3] and events[4] == b"data: [DONE]"
