@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +74,25 @@ def _worker_commands(cfg: Config, engine: str | None, options: dict[str, Any]) -
     return cmds
 
 
+def _local_host(host: str) -> str:
+    """Where this machine reaches a server listening on ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def _ready(url: str) -> bool:
+    """Whether the gateway answers ``/readyz`` with 200: it listens, and every pool has a worker
+    (a model can take minutes to load; "ready" is the line to wait for)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def private_redis_dir(cfg: Config) -> Path:
     """Where ``up``'s own Redis keeps its data, and while it runs, its URL (in ``url``)."""
     return Path(cfg.state_dir).resolve() / "redis"
@@ -110,15 +131,19 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     start = lambda cmd: subprocess.Popen(cmd, env=env, start_new_session=True)  # noqa: E731
     for i, cmd in enumerate([gateway_cmd, *worker_cmds]):
         procs[i] = (cmd, start(cmd))
-    log.info("slogate is up: http://127.0.0.1:%d/v1 (%d worker(s)); Ctrl-C stops it",
-             cfg.port, len(worker_cmds))
+    log.info("starting the gateway on port %d and %d worker(s); Ctrl-C stops them", cfg.port, len(worker_cmds))
     for cmd in worker_cmds:
         log.info("worker of pool %s: metrics on http://127.0.0.1:%s/metrics", cmd[cmd.index("--pool") + 1],
                  cmd[cmd.index("--metrics-port") + 1])
+    readyz = f"http://{_local_host(cfg.host)}:{cfg.port}/readyz"
+    ready = False
     code = 0
     try:
         while not stopping:
             time.sleep(0.2)
+            if not ready and _ready(readyz):
+                ready = True
+                log.info("slogate is ready: http://%s:%d/v1", _local_host(cfg.host), cfg.port)
             for i, (cmd, proc) in list(procs.items()):
                 if proc.poll() is None:
                     continue

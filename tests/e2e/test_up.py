@@ -33,18 +33,18 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def up_env(tmp_path: Path) -> dict[str, str]:
+def up_env(tmp_path: Path, log_level: str = "WARNING") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOGATE_")}
-    env.update(SLOGATE_STATE_DIR=str(tmp_path / "state"), SLOGATE_LOG_LEVEL="WARNING", PYTHONPATH=python_path())
+    env.update(SLOGATE_STATE_DIR=str(tmp_path / "state"), SLOGATE_LOG_LEVEL=log_level, PYTHONPATH=python_path())
     return env
 
 
 @contextlib.contextmanager
-def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None,
-               config: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None, config: Path | None = None,
+               log_level: str = "WARNING") -> Iterator[subprocess.Popen[str]]:
     """``slogate [--config CONFIG] up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
     top = ["--config", str(config)] if config else []
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", *top, "up", *args], env=up_env(tmp_path),
+    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", *top, "up", *args], env=up_env(tmp_path, log_level),
                           cwd=tmp_path, stderr=stderr, text=True)
     try:
         yield up
@@ -114,16 +114,18 @@ def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
     """A model that does not load would fail every restart the same way: the stack stops, says
     why, and exits 2."""
     with slogate_up(tmp_path, "--model", "/nonexistent/model", "--port", str(free_port()),
-                    stderr=subprocess.PIPE) as up:
+                    stderr=subprocess.PIPE, log_level="INFO") as up:
         _, err = up.communicate(timeout=180)
     assert up.returncode == 2
     assert "model directory '/nonexistent/model' does not exist" in err
     assert "could not start as configured" in err
+    assert "slogate is ready" not in err
 
 
 def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_model_dir: Path) -> None:
     port = free_port()
-    with slogate_up(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), stderr=subprocess.PIPE) as up:
+    with slogate_up(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), stderr=subprocess.PIPE,
+                    log_level="INFO") as up:
         wait_ready(up, port, 240)
         workers = [pid for pid in children(up.pid) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         engine = next(pid for pid in children(workers[0]) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
@@ -139,6 +141,7 @@ def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_mod
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
     assert up.returncode == 0
+    assert err.count("slogate is ready: http://127.0.0.1:") == 1, "said once, when the stack first answers"
     assert "the engine process exited with code -9" in err
     assert "worker exited with code 1; restarting it" in err
 
