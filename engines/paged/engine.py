@@ -101,7 +101,13 @@ class PagedEngine:
         except Exception as exc:  # noqa: BLE001 - a bad prompt is the client's fault, whatever raised
             self._pending.append(_error(request.id, f"cannot tokenize the request: {exc}"))
             return
-        seq = Sequence(request.id, prompt_ids, request.sampling, request.deadline)
+        vocab = self.loaded.vocab_size
+        beyond = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
+        if beyond:
+            self._pending.append(_error(request.id, f"'stop_token_ids' holds {beyond[0]}, beyond this model's "
+                                                    f"vocabulary (token ids 0 to {vocab - 1})"))
+            return
+        seq = Sequence(request.id, list(prompt_ids), request.sampling, request.deadline)
         reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
         if reason:
             self._pending.append(_error(request.id, reason, len(prompt_ids),

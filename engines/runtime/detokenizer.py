@@ -95,7 +95,8 @@ class OutputTracker:
                 return self._finish("stop", self._take(len(self._pending)))
         if len(self.token_ids) >= self.params.max_tokens:
             return self._finish("length", self.flush())
-        hold = _stop_prefix_len(self._pending, self._stops) if armed else 0
+        # Held before min_tokens too: a stop string begun before it may end after it.
+        hold = _stop_prefix_len(self._pending, self._stops)
         return self._take(len(self._pending) - hold), None
 
     def flush(self) -> str:

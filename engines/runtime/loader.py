@@ -35,6 +35,11 @@ class LoadedModel:
     def encode(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
         return encode_prompt(self.tokenizer, self.model_id, prompt, messages)
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits, which sampling indexes by token id."""
+        return self.model.config.get_text_config().vocab_size
+
 
 def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None,
                   messages: list[dict[str, Any]] | None) -> list[int]:

@@ -223,7 +223,7 @@ class StreamEngine(PagedEngine):
     def time_step(self, parts: list[tuple[int, int]]) -> float:
         """Seconds to run one step of sequences that have ``start`` tokens cached and run
         ``n`` more, on scratch blocks (what the cache holds does not matter for timing)."""
-        vocab = self.loaded.model.config.get_text_config().vocab_size
+        vocab = self.loaded.vocab_size
         sched = Schedule()
         for i, (start, n) in enumerate(parts):
             seq = Sequence(f"warmup-{i}", [(7 * j) % vocab for j in range(start + n)], SamplingParams(max_tokens=1))

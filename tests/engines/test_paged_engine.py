@@ -222,6 +222,32 @@ def test_requests_that_can_never_fit_get_a_400(make_engine: MakeEngine) -> None:
     assert any(o.request_id == "ok" and o.finish_reason for o in outputs)
 
 
+def test_a_stop_token_beyond_the_vocabulary_fails_only_its_own_request(make_engine: MakeEngine) -> None:
+    """Sampling bans stop tokens by id until min_tokens: an id past the logits failed the step,
+    and with it every request the engine held."""
+    engine = make_engine()
+    vocab = engine.loaded.vocab_size
+    bad = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[3, vocab])
+    engine.add_request(_request("bad", PROMPTS[0], bad))
+    engine.add_request(_request("ok", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2,
+                                                                  stop_token_ids=[vocab - 1])))
+    outputs = _drain(engine)
+    [error] = [o for o in outputs if o.error]
+    assert error.request_id == "bad" and error.error_status == 400
+    assert f"'stop_token_ids' holds {vocab}" in error.error
+    assert any(o.request_id == "ok" and o.finish_reason == "length" for o in outputs)
+    _assert_pool_clean(engine)
+
+
+def test_the_engine_does_not_grow_the_requests_prompt(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    prepared = engine.prepare(_request("p", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0)))
+    prompt = list(prepared.prompt_ids)
+    engine.add_request(prepared)
+    _drain(engine)
+    assert prepared.prompt_ids == prompt, "a redelivered request would be prompted with its own output"
+
+
 def test_load_reports_queue_and_cache(make_engine: MakeEngine) -> None:
     engine = make_engine(max_num_seqs=2)
     for i, prompt in enumerate(PROMPTS[:4]):

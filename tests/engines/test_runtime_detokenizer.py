@@ -101,6 +101,20 @@ def test_length_flushes_a_held_stop_prefix(tokenizer):
     assert "".join(deltas) == "risk score E"
 
 
+def test_a_stop_string_begun_before_min_tokens_ends_the_output_after_it():
+    class Words:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join([" the", " risk", " score", " of"][i] for i in ids)
+
+    tracker = OutputTracker(Words(), SamplingParams(max_tokens=9, min_tokens=3, stop=["risk score"]), {EOS})
+    assert tracker.append(0) == (" the", None)
+    assert tracker.append(1) == (" ", None), "'risk' may begin the stop string: held"
+    assert tracker.append(2) == ("", "stop")
+    tracker = OutputTracker(Words(), SamplingParams(max_tokens=9, min_tokens=4, stop=["risk score"]), {EOS})
+    assert [tracker.append(i) for i in (0, 1, 2, 3)] == [
+        (" the", None), (" ", None), ("risk score", None), (" of", None)], "whole before min_tokens: text"
+
+
 def test_eos_and_stop_token_ids_end_without_text():
     class Chars:
         def decode(self, ids, skip_special_tokens=True):
