@@ -330,25 +330,37 @@ class Worker:
 
     async def _sender(self, engine_done: asyncio.Future[None]) -> None:
         """Send what the steps queued, one pipeline at a time, so every request's records stay
-        in order; what piles up while one is in flight goes out together in the next. Ends
-        once the engine has and everything is sent."""
+        in order; what piles up while one is in flight goes out together in the next. A send
+        that fails is retried, backing off up to a second, until Redis takes it: a record
+        lost would leave a hole in a stream or a request unanswered. Ends once the engine has
+        and everything is sent."""
+        backoff = 0.0
         while True:
             await self._send_wake.wait()
             self._send_wake.clear()
             try:
-                await self._flush()
+                sent = await self._flush()
             except Exception:  # a bug in a write must not stop every later one
                 log.exception("sending records failed")
+                sent = True
+            if sent:
+                backoff = 0.0
+            else:
+                backoff = min(max(2 * backoff, 0.05), 1.0)
+                await asyncio.sleep(backoff)
+                self._send_wake.set()
             if engine_done.done() and not self._replies and not self._acks:
                 return
 
-    async def _flush(self) -> None:
+    async def _flush(self) -> bool:
         """One entry per reply stream holding everything queued for it, then the acks, in one
-        pipeline. The streams' TTLs are kept ahead of the writes (renewed a few times per TTL,
-        not per write), so a stream whose gateway died and that nobody writes to any more goes
-        away ``result_ttl_s`` later."""
+        pipeline; False when Redis did not take it, and all of it is queued again, ahead of
+        what came meanwhile (a part that did arrive is sent twice: the gateway drops repeated
+        text by its offset, and acks repeat harmlessly). The streams' TTLs are kept ahead of
+        the writes (renewed a few times per TTL, not per write), so a stream whose gateway died
+        and that nobody writes to any more goes away ``result_ttl_s`` later."""
         if not self._replies and not self._acks:
-            return
+            return True
         replies, self._replies = self._replies, {}
         acks, self._acks = self._acks, []
         now = time.monotonic()
@@ -363,9 +375,16 @@ class Worker:
                 p.xdel(self.queue, *acks)
             try:
                 await p.execute()
+                return True
             except (RedisError, OSError) as exc:
-                log.error("publishing %d records and %d acks failed: %s",
+                log.error("publishing %d records and %d acks failed, retrying: %s",
                           sum(len(r) for r in replies.values()), len(acks), exc)
+        for key, records in self._replies.items():
+            replies.setdefault(key, []).extend(records)
+        for key in replies:
+            self._ttl_renewed.pop(key, None)
+        self._replies, self._acks = replies, acks + self._acks
+        return False
 
     def _records(self, outputs: list[StepOutput]) -> None:
         """Queue a step's records and acknowledgements for the sender. The bookkeeping (what

@@ -15,7 +15,7 @@ from slogate.protocol import Delta, Error, Final, Result
 
 
 class SplicedOutput(Exception):
-    """A retry would contradict text the client already has."""
+    """A retry would contradict text the client already has, or text is missing before a delta."""
 
 
 @dataclass
@@ -34,6 +34,9 @@ class Relay:
             self._new_attempt(rec)
         if not isinstance(rec, Delta):
             return None
+        if rec.offset > len(self.text):
+            raise SplicedOutput(f"part of the answer was lost on its way from the worker (text from character "
+                                f"{rec.offset} arrived after {len(self.text)})")
         start = len(self.text) - rec.offset
         if start >= len(rec.text):
             return None

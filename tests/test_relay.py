@@ -41,3 +41,11 @@ def test_non_deterministic_buffered_answer_restarts_cleanly() -> None:
     feed(relay, Delta("abc", 0))
     feed(relay, Delta("xy", 0, attempt=2), Delta("z", 2, attempt=2))
     assert relay.text == "xyz"
+
+
+def test_a_delta_after_a_gap_is_never_joined_to_the_text_before_it() -> None:
+    relay = Relay(streamed=True, deterministic=True)
+    feed(relay, Delta("abc", 0))
+    with pytest.raises(SplicedOutput, match="lost"):
+        relay.accept(Delta("xyz", 5))
+    assert relay.text == "abc"
