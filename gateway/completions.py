@@ -290,7 +290,7 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
 
 
 def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
-    job.worker_done = True
+    job.worker_done = rec.attempt != 0  # attempt 0: the gateway's own error; the worker goes on until cancelled
     if isinstance(rec, Error):
         job.outcome, job.status = rec.code, rec.status
         param = None

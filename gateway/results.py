@@ -26,6 +26,11 @@ from slogate.protocol import Error, Result
 
 log = logging.getLogger("slogate.gateway")
 
+REDIS_GRACE_S = 3.0
+"""How long the reader retries a Redis it cannot read before it fails every waiting request: a
+dropped connection or a restart is over by then, and the requests go on where they were
+(records carry their offsets, so one lost on the way is a 502, never a hole in the text)."""
+
 ALIVE_TTL_S = 5
 """How long a gateway's ``alive`` key outlives its last renewal: the longest a crashed
 gateway's requests keep running on the workers, plus their two checks a second apart."""
@@ -52,7 +57,7 @@ class Subscription:
 class ResultMux:
     def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, sealer: Sealer,
                  block_ms: int = 1000, count: int = 1024, trim_every_s: float = 1.0,
-                 keep_alive_s: float = 15.0) -> None:
+                 keep_alive_s: float = 15.0, redis_grace_s: float = REDIS_GRACE_S) -> None:
         self.redis = redis
         self.batcher = batcher
         self.sealer = sealer
@@ -60,6 +65,7 @@ class ResultMux:
         self.count = count
         self.trim_every_s = trim_every_s
         self.keep_alive_s = keep_alive_s
+        self.redis_grace_s = redis_grace_s
         gateway_id = uuid.uuid4().hex
         self.key = keys.replies(gateway_id)
         self.alive = keys.alive(gateway_id)
@@ -78,14 +84,19 @@ class ResultMux:
         self._subs.pop(sub.request_id.encode(), None)
 
     async def run(self) -> None:
+        failing_since = None
         while True:
             self._tick()
             try:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
             except (RedisError, OSError) as exc:
-                self._fail_all(f"lost the connection to Redis: {exc}")
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since >= self.redis_grace_s:
+                    self._fail_all(f"lost the connection to Redis: {exc}")
                 await asyncio.sleep(0.2)
                 continue
+            failing_since = None
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     self._route(entry_id, fields)

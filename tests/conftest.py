@@ -18,6 +18,14 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedi
 
 
 @pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
+    """A Redis of this test's own, since the test stops it."""
+    server = LocalRedis(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def redis_url(redis_server: LocalRedis) -> Iterator[str]:
     """A clean database on the session's real redis-server."""
     client = redis.Redis.from_url(redis_server.url)

@@ -129,3 +129,23 @@ async def test_records_that_arrive_together_go_out_in_one_write() -> None:
     events = [e for e in last.split(b"\n\n") if e]
     assert [e.split(b'"content":')[1][:3] for e in events[:2]] == [b'"b"', b'"c"']
     assert b'"finish_reason":"stop"' in events[2] and b'"usage"' in events[3] and events[4] == b"data: [DONE]"
+
+
+def test_the_gateways_own_error_leaves_the_request_to_be_cancelled_on_the_worker() -> None:
+    """A record the gateway could not read, or its own lost reader, ends the answer, but the
+    worker is still generating it: only a worker's own last record spares the cancel."""
+    from gateway.completions import _final_error
+    from slogate.protocol import Error
+
+    now = time.time()
+    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
+                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
+    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=False, sampling=SamplingParams(),
+                           max_tokens_given=True)
+    for record, worker_done in ((Error("lost the connection to Redis", "redis_unavailable", 503, attempt=0), False),
+                                (Error("unreadable", "protocol_mismatch", 502, attempt=0), False),
+                                (Error("engine failed", "engine_error", 500, attempt=1), True),
+                                (Final("length", 3, 4, attempt=1), True)):
+        job = _Job(SimpleNamespace(), parsed, gen, None, now, {})
+        _final_error(job, record)
+        assert job.worker_done is worker_done, record

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import redis.asyncio as aioredis
 
 from engines.sim import create
@@ -16,14 +13,6 @@ from slogate.local_redis import LocalRedis
 from slogate.protocol import Delta, Final
 
 REPLIES = keys.replies("test-gateway")
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
-    """A Redis of this test's own, since the test stops it."""
-    server = LocalRedis(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 async def test_a_send_redis_refused_is_sent_again_ahead_of_later_records(own_redis: LocalRedis) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -18,14 +17,6 @@ from slogate.processes import Stack, http_get
 from tests.e2e.conftest import FAST_FLEET, MODEL
 
 SCORE = {"model": MODEL, "messages": [{"role": "user", "content": "score txn 3"}], "max_tokens": 4}
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[LocalRedis]:
-    """A Redis of this test's own, since the test stops it."""
-    server = LocalRedis(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def stack_on(server: LocalRedis, decode_base_s: float = 0.001) -> Stack:
