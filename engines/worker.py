@@ -495,14 +495,18 @@ class Worker:
         return Heartbeat(
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
-            running=load.running, waiting=load.waiting + self._preparing, capacity=load.capacity,
+            running=load.running, waiting=load.waiting + self._preparing,
+            capacity=0 if self._stopping.is_set() else load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq,
             quiet_step_s=self._quiet_step_s, ts=time.time())
 
     async def _heartbeat_loop(self) -> None:
+        """Until the worker ends: a draining worker still holds requests, and a heartbeat that
+        expired would have another worker take them over (and run them again) while this one
+        finishes them. Draining, it reports no capacity, so gateways count on it for nothing."""
         key = keys.heartbeat(self.s.pool, self.s.worker_id)
-        while not self._stopping.is_set():
+        while True:
             try:
                 await self.redis.set(key, protocol.encode(self.heartbeat()),
                                      px=int(self.s.heartbeat_ttl_s * 1000))
@@ -511,12 +515,14 @@ class Worker:
             await asyncio.sleep(self.s.heartbeat_interval_s)
 
     async def _claim_loop(self) -> None:
+        """Keep what this worker holds its own (until it ends, draining included), and take
+        what has been idle too long while there is room."""
         idle_ms = int(self.s.claim_idle_s * 1000)
-        while not self._stopping.is_set():
+        while True:
             await asyncio.sleep(self.s.claim_idle_s / 3)
             try:
                 await self._refresh_own()
-                if self._room():
+                if not self._stopping.is_set() and self._room():
                     await self._claim_orphans(idle_ms)
             except (RedisError, OSError) as exc:
                 if "NOGROUP" not in str(exc):
