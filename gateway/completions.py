@@ -126,7 +126,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         if not parsed.stream:
             return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
                               deadline)
-        async with _stream_slot(state, caller.key_id):
+        async with _stream_slot(state, caller.key_id, deadline):
             return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
                               deadline)
     finally:
@@ -172,39 +172,54 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
 
 
 @contextlib.asynccontextmanager
-async def _stream_slot(state: GatewayState, key_id: str) -> AsyncIterator[None]:
-    """Hold one of the key's concurrent-stream slots. The count lives in Redis, so the limit
-    holds across gateways; it expires, so a gateway that dies cannot leak slots for ever. It
-    outlives the longest stream (its deadline, and the moment after it that the stream takes to
-    end), and a release never takes it below zero: a count that expired under open streams would
-    otherwise come back negative, and give the key slots beyond its limit."""
+async def _stream_slot(state: GatewayState, key_id: str, deadline: float) -> AsyncIterator[None]:
+    """Hold one of the key's concurrent-stream slots. They live in Redis, so the limit holds
+    across gateways: one entry per open stream, in a sorted set by when it ends at the latest
+    (its deadline). A gateway that dies cannot leak them: each is dropped once past its end,
+    whoever asks next. (A counter with a TTL leaked the open streams of a gateway killed, for
+    as long as retries kept renewing it: two crashes could lock a key out of streams.)"""
     if not state.keys.enabled:
         yield
         return
-    counter = f"{keys.PREFIX}:streams:{key_id}"
+    slots = keys.stream_slots(key_id)
+    slot = os.urandom(8).hex()
     limit = state.cfg.max_streams_per_key
     try:
-        held = await state.batcher.call("INCR", counter)
-        state.batcher.fire("EXPIRE", counter, _longest_stream_s(state.cfg) + 60)
+        taken = await state.batcher.call("EVAL", _TAKE_SLOT, 1, slots, limit, slot,
+                                         round(deadline - time.time() + STREAM_SLOT_SLACK_S, 3),
+                                         _longest_stream_s(state.cfg) + STREAM_SLOT_SLACK_S)
     except (RedisError, OSError) as exc:
         raise APIError(503, f"cannot count open streams: Redis is unavailable ({exc})", None,
                        "redis_unavailable") from None
+    if not taken:
+        raise APIError(429, f"key '{key_id}' already has {limit} streams open; close one first",
+                       None, "too_many_streams", retry_headers(1.0))
     try:
-        if held > limit:
-            raise APIError(429, f"key '{key_id}' already has {limit} streams open; close one first",
-                           None, "too_many_streams", retry_headers(1.0))
         yield
     finally:
-        state.batcher.fire("EVAL", _RELEASE_SLOT, 1, counter)
+        state.batcher.fire("ZREM", slots, slot)
+
+
+STREAM_SLOT_SLACK_S = 60
+"""How long a slot outlives its stream's deadline: the moment the stream takes to end after it,
+and clocks that disagree."""
+
+_TAKE_SLOT = """
+local now = redis.call('TIME')
+now = tonumber(now[1]) + tonumber(now[2]) / 1e6
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+"""Drop the slots past their end; take one if the limit allows (ARGV: limit, slot, seconds it
+may last, the longest any may). Redis's clock, so that gateways' clocks need not agree."""
 
 
 def _longest_stream_s(cfg: Config) -> int:
     objectives = cfg.policies.objectives
     return int(max(cfg.max_timeout_s, objectives.interactive.deadline_s, objectives.batch.deadline_s))
-
-
-_RELEASE_SLOT = ("if (tonumber(redis.call('GET', KEYS[1])) or 0) > 0 then "
-                 "return redis.call('DECR', KEYS[1]) end return 0")
 
 
 def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller) -> None:

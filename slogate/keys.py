@@ -28,4 +28,9 @@ def heartbeat(pool: str, worker_id: str) -> str:
     return f"{PREFIX}:hb:{pool}:{worker_id}"
 
 
+def stream_slots(key_id: str) -> str:
+    """The streams an API key has open, across gateways (a sorted set by when each ends)."""
+    return f"{PREFIX}:streams:{key_id}"
+
+
 HEARTBEAT_PATTERN = f"{PREFIX}:hb:*"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import aiohttp
@@ -12,6 +13,7 @@ import redis
 import yaml
 
 from gateway.auth import hash_key
+from slogate import keys
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack
 from tests.e2e.conftest import FAST_FLEET, MODEL
@@ -129,35 +131,37 @@ async def test_a_request_over_the_whole_tpm_is_told_not_to_retry(guarded: list[S
 
 async def test_concurrent_streams_per_key_are_capped(guarded: list[Stack], redis_server: LocalRedis) -> None:
     client = redis.Redis.from_url(redis_server.url)
-    client.set("slogate:streams:reports", 64)
+    slots = keys.stream_slots("reports")
+    client.zadd(slots, {f"open-{i}": time.time() + 100 for i in range(64)})
     try:
         status, body, headers = await post(guarded[1].url, {**SCORE, "stream": True}, key="sk-rep")
     finally:
-        client.delete("slogate:streams:reports")
+        client.delete(slots)
         client.close()
     assert status == 429 and body["error"]["code"] == "too_many_streams"
     status, _, _ = await post(guarded[1].url, {**SCORE, "stream": True}, key="sk-rep")
     assert status == 200
 
 
-async def test_a_stream_count_that_expired_under_open_streams_never_goes_negative(
+async def test_the_slots_of_a_gateway_that_died_free_at_their_streams_end(
         guarded: list[Stack], redis_server: LocalRedis) -> None:
-    """Were a release to take an expired count below zero, the key would get slots beyond
-    its limit for as long as the count lives."""
+    """A gateway killed with streams open never releases their slots: they must not lock the
+    key out. A stream's slot is held while it runs and released when it ends."""
     client = redis.Redis.from_url(redis_server.url)
-    counter = "slogate:streams:reports"
+    slots = keys.stream_slots("reports")
+    client.zadd(slots, {f"dead-{i}": time.time() - 1 for i in range(64)})
     try:
         body = {**SCORE, "stream": True, "max_tokens": 300}
         async with aiohttp.ClientSession() as s, s.post(guarded[1].url + "/v1/chat/completions", json=body,
                                                          headers={"Authorization": "Bearer sk-rep"}) as r:
+            assert r.status == 200
             await r.content.readline()
-            assert client.get(counter) == b"1"
-            client.delete(counter)  # as if it expired
+            assert client.zcard(slots) == 1, "the dead gateway's slots are dropped, this stream holds one"
             await r.read()
         await asyncio.sleep(0.3)
-        assert client.get(counter) in (None, b"0")
+        assert client.zcard(slots) == 0
     finally:
-        client.delete(counter)
+        client.delete(slots)
         client.close()
 
 
