@@ -33,6 +33,7 @@ _json = msgspec.json.Encoder()
 STREAM = f"{keys.PREFIX}:audit"
 FIELDS = ("id", "key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
 ANONYMOUS_EVERY_S = 1.0
+KEEP_UNWRITTEN = 16
 
 
 class AuditLog:
@@ -47,6 +48,7 @@ class AuditLog:
         self._anonymous: dict[int, int] = {}
         """Refusals without a caller gathered this second: status -> count."""
         self._anonymous_since = 0.0
+        self._failing = False
 
     def write(self, request_id: str, started: float, status: int, entry: dict[str, Any]) -> None:
         if "key" not in entry:
@@ -81,7 +83,24 @@ class AuditLog:
         if not self._records:
             return None
         lines, self._records = "\n".join(self._records), []
-        return self.batcher.call("XADD", STREAM, "MAXLEN", "~", self.max_entries, "*", "e", lines)
+        written = self.batcher.call("XADD", STREAM, "MAXLEN", "~", self.max_entries, "*", "e", lines)
+        written.add_done_callback(lambda fut: self._keep_unwritten(fut, lines))
+        return written
+
+    def _keep_unwritten(self, written: asyncio.Future[Any], lines: str) -> None:
+        """Records Redis did not take go out with the next flush, up to ``KEEP_UNWRITTEN``
+        flushes' worth; past that, the oldest are dropped and counted in the log."""
+        exc = None if written.cancelled() else written.exception()
+        if exc is None:
+            self._failing = False
+            return
+        if not self._failing:
+            log.warning("audit records could not be written, kept for the next try: %s", exc)
+            self._failing = True
+        self._records.insert(0, lines)
+        if len(self._records) > KEEP_UNWRITTEN * self.max_records:
+            dropped = self._records.pop(0)
+            log.warning("dropped %d audit record(s): Redis has been unavailable too long", dropped.count("\n") + 1)
 
     async def close(self) -> None:
         """Write what is gathered before the gateway lets go of Redis."""
