@@ -122,6 +122,11 @@ class EngineProcess:
             self._proc.kill()
             self._proc.join()
 
+    def abandon(self, reason: str) -> None:
+        """Kill a hung engine: :meth:`next` then raises :class:`EngineDied`."""
+        log.error("%s; killing the engine process", reason)
+        self._proc.kill()
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 
 from engines.base import Engine, EngineLoad, EngineRequest
+from engines.engine_process import EngineDied
 from engines.stepping import Command, Failure, Idle, Report, Step, step_until_stopped
 
 
@@ -52,6 +53,12 @@ class EngineThread:
         """End the thread before its next step (``timeout_s``: as for an engine process)."""
         self._closed.set()
         self._wake.set()
+
+    def abandon(self, reason: str) -> None:
+        """Leave a hung engine's thread behind (a thread cannot be killed): :meth:`next` raises
+        :class:`engines.engine_process.EngineDied`, and the worker ends."""
+        self._closed.set()
+        self._reports.put_nowait(EngineDied(f"{reason}; the engine is abandoned"))
 
     def send(self, command: Command) -> None:
         """Queue a command for the engine (see :data:`engines.stepping.Command`)."""

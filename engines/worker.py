@@ -49,6 +49,10 @@ class WorkerSettings:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     claim_idle_s: float = 15.0
+    engine_stall_s: float = 60.0
+    stall_pause_s: float = 5.0
+    """An engine in a step this long (a hang, or a prefill of many thousand tokens on a CPU)
+    takes no new requests and shows no capacity until the step ends."""
     max_attempts: int = 3
     result_ttl_s: float = 60.0
     intake_factor: int = 2
@@ -91,6 +95,8 @@ class Worker:
         """Queue entries to acknowledge once the records before them are written."""
         self._send_wake = asyncio.Event()
         self._quiet_step_s = 0.0
+        self._engine_heard_at = time.monotonic()
+        """When the engine last reported a step, or was given work while it held none."""
         self.metrics = WorkerMetrics(settings.pool, settings.worker_id, engine.name)
 
     async def run(self) -> None:
@@ -99,7 +105,7 @@ class Worker:
                  self.s.pool, self.engine.name, self.engine.model_id)
         tasks = [asyncio.create_task(coro) for coro in (
             self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._departed_loop(),
-            self._cancel_loop(), self._abandoned_loop())]
+            self._cancel_loop(), self._abandoned_loop(), self._watchdog_loop())]
         try:
             await self._engine_loop()
         finally:
@@ -130,8 +136,16 @@ class Worker:
     # -- intake ---------------------------------------------------------------------------
 
     def _room(self) -> int:
+        """None while the engine is in a step over ``stall_pause_s``: new requests are better
+        off with other workers meanwhile."""
+        if self._stalled_s() > self.s.stall_pause_s:
+            return 0
         load = self.engine.load()
         return max(0, load.capacity * self.s.intake_factor - len(self.inflight))
+
+    def _stalled_s(self) -> float:
+        """How long the engine has held work without finishing a step."""
+        return time.monotonic() - self._engine_heard_at if self.inflight else 0.0
 
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
@@ -185,6 +199,8 @@ class Worker:
         self._ack(drop)
         if not fresh:
             return
+        if not self.inflight:
+            self._engine_heard_at = time.monotonic()
         for req, entry_id, attempt in fresh:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
         requests = [EngineRequest(id=r.id, sampling=r.sampling, deadline=r.deadline, prompt=r.prompt,
@@ -269,6 +285,7 @@ class Worker:
         finisher = asyncio.create_task(self._finish_engine())
         try:
             while (report := await self.engine.next()) is not None:
+                self._engine_heard_at = time.monotonic()
                 if isinstance(report, Step):
                     self._on_step(report.outputs, report.seconds)
                 else:
@@ -452,10 +469,14 @@ class Worker:
     # -- cancels, heartbeats, orphans -----------------------------------------------------
 
     async def _cancel_loop(self) -> None:
+        """Stop the held requests cancelled on the channel. Messages sent while unsubscribed
+        are lost, so after each (re)subscription the held requests' cancel flags are read."""
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(keys.CANCEL_CHANNEL)
+                if self.inflight:
+                    await self._abort_cancelled(list(self.inflight))
                 async for msg in pubsub.listen():
                     job = self._abort(msg["data"].decode())
                     if job is not None:
@@ -496,10 +517,22 @@ class Worker:
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
             running=load.running, waiting=load.waiting + self._preparing,
-            capacity=0 if self._stopping.is_set() else load.capacity,
+            capacity=0 if self._stopping.is_set() or self._stalled_s() > self.s.stall_pause_s else load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq,
             quiet_step_s=self._quiet_step_s, ts=time.time())
+
+    async def _watchdog_loop(self) -> None:
+        """Give up an engine that holds requests and has not finished a step in
+        ``engine_stall_s``: the worker ends (see :class:`engines.engine_process.EngineDied`),
+        and other workers take its requests over."""
+        while True:
+            await asyncio.sleep(min(1.0, self.s.engine_stall_s / 4))
+            stalled = self._stalled_s()
+            if stalled > self.s.engine_stall_s:
+                self.engine.abandon(f"the engine has not finished a step in {stalled:.0f} s while holding "
+                                    f"{len(self.inflight)} request(s)")
+                return
 
     async def _heartbeat_loop(self) -> None:
         """Until the worker ends: a draining worker still holds requests, and a heartbeat that
@@ -622,7 +655,8 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(
         pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
-        claim_idle_s=cfg.claim_idle_s, max_attempts=cfg.max_attempts, result_ttl_s=cfg.result_ttl_s),
+        claim_idle_s=cfg.claim_idle_s, engine_stall_s=cfg.engine_stall_s, max_attempts=cfg.max_attempts,
+        result_ttl_s=cfg.result_ttl_s),
         Sealer.from_text(cfg.encryption_keys))
     if metrics_port:
         start_http_server(metrics_port, registry=worker.metrics.registry)

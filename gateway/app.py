@@ -284,6 +284,13 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     while state.in_flight and time.monotonic() < end:
         await asyncio.sleep(0.05)
     if state.in_flight:
-        log.warning("grace over: cutting off %d request(s) still in flight", state.in_flight)
+        # Each gets its answer's end, a 503 (an error event on a stream), not a cut connection
+        # a client would take for a network fault; the workers are told to stop them.
+        log.warning("grace over: ending %d request(s) still in flight with 503 shutting_down", state.in_flight)
+        state.mux.fail_all("the gateway shut down before this request finished; retry on another replica",
+                           "shutting_down")
+        end = time.monotonic() + 1.0
+        while state.in_flight and time.monotonic() < end:
+            await asyncio.sleep(0.02)
     await runner.cleanup()
     tracing.shutdown()

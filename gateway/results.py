@@ -92,8 +92,9 @@ class ResultMux:
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
                 failing_since = failing_since or now
+                self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
                 if now - failing_since >= self.redis_grace_s:
-                    self._fail_all(f"lost the connection to Redis: {exc}")
+                    self.fail_all(f"lost the connection to Redis: {exc}", "redis_unavailable")
                 await asyncio.sleep(0.2)
                 continue
             failing_since = None
@@ -149,9 +150,11 @@ class ResultMux:
             return Error(f"a worker sent a record this gateway cannot read ({exc})",
                          "protocol_mismatch", 502, attempt=0)
 
-    def _fail_all(self, message: str) -> None:
+    def fail_all(self, message: str, code: str) -> None:
+        """End every waiting request with a 503 of the gateway's own (attempt 0: the workers
+        are told to stop them)."""
         for sub in list(self._subs.values()):
-            sub.records.put_nowait(Error(message, "redis_unavailable", 503, attempt=0))
+            sub.records.put_nowait(Error(message, code, 503, attempt=0))
             sub.arrived.set()
 
     async def close(self) -> None:

@@ -84,6 +84,10 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_ttl_s: float = 3.0
     claim_idle_s: float = 15.0
     """A request left pending this long by a dead worker is claimed by another."""
+    engine_stall_s: float = 60.0
+    """A worker whose engine holds requests and has not finished a step for this long stops
+    (and is restarted by ``slogate up``), leaving its requests to other workers: a hung engine
+    would otherwise hold them until their deadlines while its heartbeat says all is well."""
     max_attempts: int = 3
     """Deliveries before a request that keeps killing workers is failed instead of retried."""
     result_ttl_s: float = 60.0
@@ -191,8 +195,8 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
                 "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
-                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "max_attempts", "result_ttl_s",
-                "worker_poll_s"]
+                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "max_attempts",
+                "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")

@@ -88,6 +88,7 @@ async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_red
         assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
         own_redis.stop()
         await asyncio.sleep(0.5)
+        assert mux._ticked_at == 0.0, "alive is renewed at the first pass once Redis is back"
         own_redis.start()
         await send(client, mux.key, Delta("b", 1))
         assert await asyncio.wait_for(sub.records.get(), 5) == Delta("b", 1), "no 503 within the grace"

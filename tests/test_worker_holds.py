@@ -4,11 +4,14 @@ Redis drops a send, requests finished by the worker that holds them while it dra
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
+import pytest
 import redis.asyncio as aioredis
 
+from engines.engine_process import EngineDied
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
@@ -74,5 +77,58 @@ async def test_a_draining_worker_keeps_what_it_holds_from_being_taken_over(redis
         last = protocol.decode_result(protocol.decode_batch(entries[-1][1][protocol.BATCH_FIELD])[-1][1])
         assert isinstance(last, Final) and last.completion_tokens == 75
     finally:
+        await cancel_and_wait([task])
+        await client.aclose()
+
+
+class HungEngine:
+    """The sim engine, except that its steps never end once told to hang."""
+
+    def __init__(self) -> None:
+        self.inner = create(decode_base_s=0)
+        self.hang = threading.Event()
+        self.release = threading.Event()
+        self.name, self.model_id, self.max_context = "hung", "m", 8192
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self, arrivals=None, send=None):
+        if self.hang.is_set():
+            self.release.wait()
+        return self.inner.step(arrivals, send)
+
+
+async def test_a_worker_gives_up_an_engine_that_stops_stepping(redis_url: str) -> None:
+    """A hung engine held its requests until their deadlines while the worker's heartbeat
+    said all was well, and it kept taking new ones: it takes none, shows no capacity, and
+    once ``engine_stall_s`` has passed the worker ends, leaving them pending for others."""
+    client = aioredis.Redis.from_url(redis_url)
+    engine = HungEngine()
+    settings = WorkerSettings(pool="p", heartbeat_interval_s=0.1, heartbeat_ttl_s=0.5, engine_stall_s=2.0,
+                              stall_pause_s=1.0)
+    worker = Worker(engine, client, settings)
+    task = asyncio.create_task(worker.run())
+    try:
+        engine.hang.set()
+        for rid in ("first", "second"):
+            req = GenerateRequest(id=rid, model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=5),
+                                  deadline=time.time() + 30, enqueued_at=time.time(), reply=REPLIES, prompt="hi")
+            await client.xadd(keys.queue("p"), {protocol.ID_FIELD: rid, protocol.FIELD: protocol.encode(req)})
+            if rid == "first":
+                while not worker.inflight:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(1.3)
+        await asyncio.sleep(0.3)
+        assert list(worker.inflight) == ["first"], "a stalled engine takes no new request"
+        heartbeat = protocol.decode_heartbeat(await client.get(keys.heartbeat("p", settings.worker_id)))
+        assert heartbeat.capacity == 0
+        with pytest.raises(EngineDied, match="has not finished a step"):
+            await asyncio.wait_for(task, 5)
+        pending = await client.xpending(keys.queue("p"), keys.GROUP)
+        assert pending["pending"] == 1, "left for other workers, not acknowledged"
+        assert await client.xlen(keys.queue("p")) == 2
+    finally:
+        engine.release.set()
         await cancel_and_wait([task])
         await client.aclose()

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
 
 import aiohttp
-import pytest
 import redis
 
 from slogate import keys
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack, http_get
 from tests.e2e.conftest import FAST_FLEET, MODEL
+from tests.e2e.test_failures import running
 
 SCORE = {"model": MODEL, "messages": [{"role": "user", "content": "score txn 3"}], "max_tokens": 4}
 
@@ -80,21 +81,33 @@ async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> No
         stack.stop()
 
 
-async def test_requests_still_open_when_the_grace_ends_are_cut_off(redis_server: LocalRedis) -> None:
-    redis.Redis.from_url(redis_server.url).flushdb()
+async def test_requests_still_open_when_the_grace_ends_get_a_503_and_stop(redis_server: LocalRedis) -> None:
+    """Cut off without a word, a stream looked like a network fault, and its work went on."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
     stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
     gateway = stack.gateway("--grace", "0.3")
     stack.worker("interactive", "sim", "decode_base_s=0.02", "decode_s_per_seq=0")
     stack.wait_models(MODEL)
     try:
         long = asyncio.create_task(post(stack, {**SCORE, "max_tokens": 1000}, timeout=30))  # 20 s of decode
-        await asyncio.sleep(0.3)
-        gateway.send_signal(signal.SIGTERM)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(stack.url + "/v1/chat/completions",
+                              json={**SCORE, "max_tokens": 1000, "stream": True}) as r:
+                assert r.status == 200
+                await r.content.readline()
+                gateway.send_signal(signal.SIGTERM)
+                events = [line for line in (await r.read()).decode().splitlines() if line.startswith("data: ")]
+        assert await long == 503
+        assert '"code":"shutting_down"' in events[-2] and events[-1] == "data: [DONE]"
         assert gateway.wait(timeout=10) == 0, "the gateway exits once the grace is over"
-        with pytest.raises(aiohttp.ClientError):
-            await long
+        deadline = time.monotonic() + 5
+        while running(client):
+            assert time.monotonic() < deadline, "the worker stops what nobody waits for"
+            await asyncio.sleep(0.05)
     finally:
         stack.stop()
+        client.close()
 
 
 async def test_unreadable_messages_are_dropped_and_work_goes_on(redis_server: LocalRedis) -> None:
@@ -141,3 +154,32 @@ async def test_stalled_stream_reader_does_not_hurt_others(redis_server: LocalRed
         writer.close()
     finally:
         stack.stop()
+
+
+async def test_a_request_ended_during_an_outage_is_stopped_once_redis_is_back(tmp_path: Path) -> None:
+    """Its cancel could not reach Redis, and the worker would have run it to its end for
+    nobody (its gateway is alive, so the gone-gateway check does not fire)."""
+    own_redis = LocalRedis(tmp_path / "redis", persist=True).start()
+    stack = stack_on(own_redis, decode_base_s=0.02)
+    client = redis.Redis.from_url(own_redis.url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(stack.url + "/v1/chat/completions",
+                              json={**SCORE, "max_tokens": 1500, "stream": True}) as r:  # 30 s of decode
+                await r.content.readline()
+                own_redis.stop()
+                events = [line for line in (await r.read()).decode().splitlines() if line.startswith("data: ")]
+        assert '"code":"redis_unavailable"' in events[-2], "after the grace, the stream ends with a 503 event"
+        request_id = json.loads(events[0][len("data: "):])["id"].removeprefix("chatcmpl-")
+        own_redis.start()
+        deadline = time.monotonic() + 10  # 20 s before the request would end on its own
+        while not client.exists(keys.cancel(request_id)):
+            assert time.monotonic() < deadline, "the cancel is sent again once Redis is back"
+            await asyncio.sleep(0.05)
+        while not list(client.scan_iter("slogate:hb:interactive:*")) or running(client):
+            assert time.monotonic() < deadline, "the worker stops the request"
+            await asyncio.sleep(0.05)
+    finally:
+        stack.stop()
+        client.close()
+        own_redis.stop()
