@@ -103,3 +103,23 @@ async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_red
 
 async def send(client: aioredis.Redis, key: str, record: Delta) -> None:
     await client.xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch([(b"s", protocol.encode(record))])})
+
+
+async def test_the_reader_connection_probes_a_silent_redis_over_tcp(redis_server) -> None:
+    """A blocking XREAD with no read timeout hangs for good on a Redis a network fault cut off
+    silently: over TCP, the kernel's keepalive probes break such a connection."""
+    import socket
+
+    from gateway.app import _reader_keepalive
+
+    assert _reader_keepalive("unix:///run/redis.sock?db=0") == {}, "a local socket has no network to fail"
+    url = redis_server.tcp_url
+    reader = aioredis.Redis.from_url(url, single_connection_client=True, **_reader_keepalive(url))
+    try:
+        await reader.ping()
+        sock = reader.connection._writer.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+    finally:
+        await reader.aclose()
