@@ -38,27 +38,18 @@ def test_the_gateways_time_before_queueing_is_not_learned_as_prefill() -> None:
 async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_200() -> None:
     """A keep-alive queued ahead of a worker's immediate refusal: the refusal is still the
     answer, with its own status, not a 200 and an error event."""
-    from aiohttp.test_utils import make_mocked_request
 
     from gateway.completions import _stream
     from gateway.errors import APIError
     from gateway.results import QUIET, Subscription
     from slogate.protocol import Error
 
-    now = time.time()
     sub = Subscription("r", keep_alive=True)
     sub.records.put_nowait(QUIET)
     sub.records.put_nowait(Error("prompt beyond the model's context", "context_length_exceeded", 400, attempt=1))
     sub.arrived.set()
-    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
-                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
-    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=False, sampling=SamplingParams(),
-                           max_tokens_given=True, messages=[{"role": "user", "content": "x"}])
-    job = _Job(SimpleNamespace(), parsed, gen, sub, now, {})
-    request = make_mocked_request("POST", "/v1/chat/completions")
-    request["request_id"] = "r"
     with pytest.raises(APIError) as refused:
-        await _stream(request, job)
+        await _stream(_http_request(), _stream_job(sub))
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
 
 
@@ -95,25 +86,15 @@ async def test_records_that_arrive_together_go_out_in_one_write() -> None:
     sent in one write, each still a chunk of its own."""
     import asyncio
 
-    from aiohttp.test_utils import make_mocked_request
-
     from gateway.completions import _stream
     from gateway.results import Subscription
     from slogate.protocol import Delta
 
-    now = time.time()
     sub = Subscription("r", keep_alive=True)
     sub.records.put_nowait(Delta("a", 0))
     sub.arrived.set()
-    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
-                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
-    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=True, sampling=SamplingParams(),
-                           max_tokens_given=True, messages=[{"role": "user", "content": "x"}])
-    job = _Job(SimpleNamespace(), parsed, gen, sub, now, {})
     writes = _Writes()
-    request = make_mocked_request("POST", "/v1/chat/completions", writer=writes)
-    request["request_id"] = "r"
-    streaming = asyncio.create_task(_stream(request, job))
+    streaming = asyncio.create_task(_stream(_http_request(writes), _stream_job(sub, include_usage=True)))
     while not any(kind == "write" for kind, _ in writes.calls):
         await asyncio.sleep(0.001)
     [(_, first)] = [c for c in writes.calls if c[0] == "write"]
@@ -137,15 +118,28 @@ def test_the_gateways_own_error_leaves_the_request_to_be_cancelled_on_the_worker
     from gateway.completions import _final_error
     from slogate.protocol import Error
 
-    now = time.time()
-    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
-                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
-    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=False, sampling=SamplingParams(),
-                           max_tokens_given=True)
     for record, worker_done in ((Error("lost the connection to Redis", "redis_unavailable", 503, attempt=0), False),
                                 (Error("unreadable", "protocol_mismatch", 502, attempt=0), False),
                                 (Error("engine failed", "engine_error", 500, attempt=1), True),
                                 (Final("length", 3, 4, attempt=1), True)):
-        job = _Job(SimpleNamespace(), parsed, gen, None, now, {})
+        job = _stream_job()
         _final_error(job, record)
         assert job.worker_done is worker_done, record
+
+
+def _stream_job(sub: object = None, include_usage: bool = False) -> _Job:
+    """A streamed chat request as ``_run`` hands it on, waiting on ``sub``."""
+    now = time.time()
+    gen = GenerateRequest(id="r", model="m", pool="interactive", cls="interactive", sampling=SamplingParams(),
+                          deadline=now + 30, enqueued_at=now, reply="x", stream=True)
+    parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=include_usage, sampling=SamplingParams(),
+                           max_tokens_given=True, messages=[{"role": "user", "content": "x"}])
+    return _Job(SimpleNamespace(), parsed, gen, sub, now, {})
+
+
+def _http_request(writer: object = None):
+    from aiohttp.test_utils import make_mocked_request
+
+    request = make_mocked_request("POST", "/v1/chat/completions", **({"writer": writer} if writer else {}))
+    request["request_id"] = "r"
+    return request
