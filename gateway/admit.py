@@ -49,26 +49,41 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     ctl = state.admission
     prompt_tokens = estimate_prompt_tokens(parsed)
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
-    while True:
-        now = time.time()
-        decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
-                              max_tokens=max_tokens, signals=state.directory.signals(), now=now,
-                              model=parsed.model, deadline=deadline if cls == "batch" else None)
-        state.metrics.decided(cls, decision.outcome, decision.reason)
-        if decision.outcome == "wait" and now + decision.retry_after_s < deadline:
-            await asyncio.sleep(decision.retry_after_s)
-            continue
-        if decision.admitted:
-            return decision
-        raise _refusal(state, cls, decision, parsed)
+    held = False
+    try:
+        while True:
+            now = time.time()
+            decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
+                                  max_tokens=max_tokens, signals=state.directory.signals(), now=now,
+                                  model=parsed.model, deadline=deadline if cls == "batch" else None)
+            if decision.outcome != "wait" or not held:  # a held request counts once, not at each look
+                state.metrics.decided(cls, decision.outcome, decision.reason)
+            if decision.outcome != "wait":
+                break
+            if not held:
+                held = True
+                state.held += 1
+                state.metrics.held.inc()
+            # Asked again by its deadline at the latest, which then says "expired" (504).
+            await asyncio.sleep(max(0.0, min(decision.retry_after_s, deadline - now)))
+            if state.draining:
+                raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down",
+                               {"x-slogate-class": cls, **retry_headers(1.0)})
+    finally:
+        if held:
+            state.held -= 1
+            state.metrics.held.dec()
+    if decision.admitted:
+        return decision
+    raise _refusal(state, cls, decision, parsed)
 
 
 def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) -> APIError:
     headers = {"x-slogate-class": cls, "x-slogate-reason": d.reason}
     predicted = f"{d.predicted_s * 1000:.0f} ms" if d.predicted_s is not None else "unknown"
     if d.outcome == "expired":
-        return APIError(504, "the request's deadline passed while batch work was held back", None,
-                        "deadline_exceeded", headers)
+        return APIError(504, "the request's deadline passed before it could be queued (batch work is held "
+                             "back while interactive load is high)", None, "deadline_exceeded", headers)
     headers.update(retry_headers(d.retry_after_s))
     if d.outcome == "unavailable":
         what = ("its pool keeps failing and is paused" if d.reason == "circuit-open"
@@ -87,7 +102,6 @@ def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) 
                              f"batch (x-slogate-class: batch) or ask for fewer tokens",
         "batch-queue-full": f"the batch queue is full; retry after {d.retry_after_s:g} s",
         "cannot-meet-deadline": f"predicted completion ({predicted}) falls after the request's deadline",
-        "interactive-busy": "interactive load kept batch work held back until its deadline",
     }
     return APIError(429, messages.get(d.reason, f"request shed ({d.reason})"), None, d.reason.replace("-", "_"),
                     headers)

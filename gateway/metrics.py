@@ -57,6 +57,8 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("slogate_prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("slogate_generation_tokens", "Tokens generated", labels, registry=r)
         self.in_flight = Gauge("slogate_gateway_requests_in_flight", "Requests open at this gateway", registry=r)
+        self.held = Gauge("slogate_requests_held", "Batch requests this gateway holds back before queueing, "
+                          "while interactive load is high", registry=r)
         self.rejected = Counter("slogate_rejected_requests", "Requests refused before queueing",
                                 ["status", "code"], registry=r)
         self.admission = Counter("slogate_admission_decisions", "Admission decisions",

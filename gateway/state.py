@@ -38,6 +38,8 @@ class GatewayState:
     audit: AuditLog
     draining: bool = False
     in_flight: int = 0
+    held: int = 0
+    """Batch requests held back before queueing (``gateway.admit``): a drain waits for them too."""
     started_at: float = field(default_factory=time.time)
 
     def cancel(self, request_id: str, deadline: float) -> None:

@@ -133,10 +133,10 @@ class AdmissionController:
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
             book.promise(budget - pred.total_s, until, now)
             return decision
-        if self._probe_due(route.pool, now):
-            return self._admit("probe", route, now)
         if pred.floor_service_s > self.objective(stream) / self.cfg.admission.margin:
             return Decision("shed", "exceeds-objective", 429, 0.0, pred.floor_service_s, route.pool, route.worker)
+        if self._probe_due(route.pool, now):  # never one that misses on an idle pool: it would teach nothing
+            return self._admit("probe", route, now)
         if wait_budget < 0:  # fits an idle pool: the load makes each step slow
             late = pred.mean_hold_s
         else:
@@ -159,8 +159,10 @@ class AdmissionController:
         route = pick("batch", stream, prompt_tokens, max_tokens, model, usable, self.estimate, None, self.cfg, now)
         busy_until = None
         if route is not None:
-            pool, worker, predicted = route.pool, route.worker, route.prediction.total_s
-            busy_until = now + route.prediction.wait_s + route.prediction.hold_s
+            # The whole answer, streamed or not: a batch deadline is for all of it, not its first token.
+            pool, worker = route.pool, route.worker
+            predicted = route.prediction.wait_s + route.prediction.hold_s
+            busy_until = now + predicted
         else:
             # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
             queueable = next((p for p in own if p in usable or p not in signals), None)
@@ -174,8 +176,12 @@ class AdmissionController:
                 pred = route.prediction
                 drain = pred.queue_wait_s * (depth - target.max_queue + 1) / (pred.ahead + 1)
             return Decision("shed", "batch-queue-full", 429, self._clamp_retry(drain), predicted, pool, worker)
-        if deadline is not None and predicted is not None and now + predicted > deadline:
-            return Decision("shed", "cannot-meet-deadline", 429, 0.0, predicted, pool, worker)
+        if deadline is not None and route is not None and now + predicted > deadline:
+            # The deadline is relative to when a request is sent: once the backlog ahead has
+            # drained, the same request sent again fits, if it fits an idle pool at all.
+            fits_idle = now + route.prediction.hold_s <= deadline
+            retry = self._clamp_retry(route.prediction.wait_s) if fits_idle else 0.0
+            return Decision("shed", "cannot-meet-deadline", 429, retry, predicted, pool, worker)
         if pool in self._shared and self._interactive_load(signals) >= target.hold_load:
             return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
         self.breaker(pool).acquire(now)

@@ -211,3 +211,10 @@ def _check_ranges(cfg: Config) -> None:
     for name, pool in cfg.pools.items():
         if pool.workers < 0:
             raise ConfigError(f"pools.{name}.workers: must be >= 0")
+    routing = cfg.policies.routing
+    for where, named in (("pools.interactive", routing.pools.interactive), ("pools.batch", routing.pools.batch),
+                         ("interactive_spill", routing.interactive_spill)):
+        unknown = [p for p in named if p not in cfg.pools]
+        if unknown:  # nobody would read its queue, nor would the gateway watch its depth
+            raise ConfigError(f"policies.routing.{where}: pool {unknown[0]!r} is not one of the configured pools "
+                              f"({', '.join(cfg.pools)})")

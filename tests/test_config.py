@@ -11,7 +11,8 @@ def test_defaults() -> None:
 
 def test_yaml_then_env_then_overrides(tmp_path) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text("port: 9000\nmax_timeout_s: 5\npools:\n  fast: {engine: sim, workers: 2}\n")
+    path.write_text("port: 9000\nmax_timeout_s: 5\npools:\n  fast: {engine: sim, workers: 2}\n"
+                    "policies:\n  routing:\n    pools: {interactive: [fast], batch: [fast]}\n")
     cfg = load_config(path, env={"SLOGATE_MAX_TIMEOUT_S": "7.5"}, overrides={"port": 9100})
     assert cfg.port == 9100 and cfg.max_timeout_s == 7.5
     assert cfg.pools["fast"].workers == 2
@@ -23,6 +24,9 @@ def test_yaml_then_env_then_overrides(tmp_path) -> None:
     ("colour: blue\n", "colour"),
     ("heartbeat_interval_s: 5\nheartbeat_ttl_s: 2\n", "heartbeat_ttl_s"),
     ("claim_idle_s: 0\n", "claim_idle_s"),
+    ("engine_stall_s: 0\n", "engine_stall_s"),
+    ("policies:\n  routing:\n    pools: {batch: [bulk]}\n", "policies.routing.pools.batch: pool 'bulk'"),
+    ("policies:\n  routing:\n    interactive_spill: [nope]\n", "policies.routing.interactive_spill: pool 'nope'"),
 ])
 def test_bad_values_name_the_key(tmp_path, yaml_text: str, key: str) -> None:
     path = tmp_path / "c.yaml"

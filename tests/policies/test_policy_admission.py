@@ -136,6 +136,26 @@ def test_batch_past_its_deadline_fails() -> None:
     assert ask(ctl, signals(b_depth=900), cls="batch", now=100.0, deadline=deadline_for("batch", 100.0, CFG)).admitted
 
 
+def test_a_streamed_batch_request_must_finish_by_its_deadline_not_just_start() -> None:
+    """A batch deadline is for the whole answer: a stream admitted on its first token's time
+    failed mid-answer at the deadline."""
+    ctl = AdmissionController(CFG)
+    idle = signals(b_running=0)
+    for stream in (False, True):
+        d = ask(ctl, idle, cls="batch", stream=stream, max_tokens=500, now=100.0, deadline=100.5)
+        assert (d.outcome, d.reason) == ("shed", "cannot-meet-deadline"), stream
+        assert d.predicted_s == pytest.approx(100 * 0.0001 + 500 * 0.03, rel=0.2)
+        assert d.retry_after_s == 0.0, "it misses on an idle pool: retrying will not help"
+        assert ask(ctl, idle, cls="batch", stream=stream, max_tokens=500, now=100.0, deadline=130.0).admitted
+
+
+def test_a_deadline_missed_only_for_the_backlog_says_when_to_send_it_again() -> None:
+    """Its deadline starts when it is sent: once the backlog has drained, the same request fits."""
+    d = ask(AdmissionController(CFG), signals(b_depth=900), cls="batch", max_tokens=8, now=100.0, deadline=103.0)
+    assert (d.outcome, d.reason) == ("shed", "cannot-meet-deadline")
+    assert d.retry_after_s > 0
+
+
 def test_deadlines_per_class() -> None:
     assert deadline_for("interactive", 10.0, CFG) == 40.0
     assert deadline_for("batch", 10.0, CFG) == 3610.0
@@ -241,6 +261,13 @@ def test_a_silent_shedding_pool_gets_one_probe_per_interval() -> None:
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
                 queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval)
     assert not ask(ctl, overloaded, now=now + 2.5 * interval).admitted, "a pool just heard from is not probed"
+
+
+def test_a_request_that_misses_on_an_idle_pool_is_never_a_probe() -> None:
+    """It would miss its objective whatever the load, and teach the estimates nothing."""
+    ctl = AdmissionController(CFG)
+    never = ask(ctl, signals(i_running=0), max_tokens=60, now=100.0)
+    assert (never.outcome, never.reason, never.retry_after_s) == ("shed", "exceeds-objective", 0.0)
 
 
 def test_no_spill_by_default() -> None:
