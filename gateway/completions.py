@@ -160,6 +160,9 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         if parsed.stream:
             return await _stream(request, job)
         return await _collect(job)
+    except APIError as err:  # which class, pool and decision it failed in, as a success says
+        err.headers = {**headers, **(err.headers or {})}
+        raise
     finally:
         if not job.worker_done:
             state.cancel(request_id, deadline)

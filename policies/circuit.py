@@ -53,9 +53,13 @@ class CircuitBreaker:
             self.last_probe_at = now
 
     def retry_after(self, now: float) -> float:
-        """Seconds until the breaker may let something through again."""
+        """Seconds until the breaker may let something through again: the cool-down's end when
+        open; when half-open with its probes out, the moment a probe that never reports is given
+        up (the probe may end sooner, but a batch probe can run for minutes)."""
         if self.opened_at is None:
             return 0.0
+        if self.state(now) == "half_open" and not self.ready(now):
+            return max(self.last_probe_at + self.cfg.open_s - now, 0.0)
         return max(self.opened_at + self.cfg.open_s - now, 0.0)
 
     def record_success(self, now: float) -> None:

@@ -15,9 +15,9 @@ import redis
 
 from slogate import protocol
 from slogate.local_redis import LocalRedis
+from slogate.processes import Stack
 from tests.e2e.conftest import FAST_FLEET, MODEL, start_stack
 from tests.e2e.test_api import sse_events
-from slogate.processes import Stack
 
 STEP_S = 0.02
 
@@ -91,6 +91,7 @@ async def test_deadline_expiry_non_streamed_is_504(slow_stack: Stack) -> None:
                           headers={"x-slogate-timeout": "0.4"}) as r:
             assert r.status == 504
             err = (await r.json())["error"]
+            assert r.headers["x-slogate-pool"] and r.headers["x-slogate-class"], "which pool it failed in"
     assert err["code"] == "deadline_exceeded" and "deadline" in err["message"]
 
 

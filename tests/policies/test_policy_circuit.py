@@ -56,6 +56,14 @@ def test_cool_down_then_half_open_lets_one_probe() -> None:
     assert not br.ready(5.1)
 
 
+def test_refusals_while_the_probe_is_out_say_when_it_will_be_given_up() -> None:
+    """Not 0 s (clients retried every 50 ms while a batch probe ran for minutes)."""
+    br = opened()
+    br.acquire(5.0)
+    assert br.retry_after(6.0) == 4.0
+    assert br.retry_after(4.0) == 1.0, "open: the cool-down's end"
+
+
 def test_successful_probes_close() -> None:
     br = opened()
     br.acquire(5.0)
