@@ -97,12 +97,19 @@ class ResultMux:
                     self.fail_all(f"lost the connection to Redis: {exc}", "redis_unavailable")
                 await asyncio.sleep(0.2)
                 continue
-            failing_since = None
+            if failing_since is not None:
+                failing_since = None
+                await self._drop_stale_connections()
             for _, entries in resp or ():
                 for entry_id, fields in entries:
                     self._route(entry_id, fields)
                 self._last = entries[-1][0]
             self._trim()
+
+    async def _drop_stale_connections(self) -> None:
+        """After an outage, the commands' idle pooled connections may all be dead (a Redis that
+        restarted closed them): each would fail the first request to draw it, as a 503."""
+        await self.batcher.redis.connection_pool.disconnect(inuse_connections=False)
 
     def _tick(self) -> None:
         """About once a second (this loop wakes at least once a ``block_ms``): renew ``alive``

@@ -78,27 +78,36 @@ async def test_the_reader_stops_when_cancelled_as_it_starts_a_read(redis_url: st
 async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_redis) -> None:
     """A dropped connection or a restart: the reader picks up where it was, and the waiting
     requests go on; only an outage longer than the grace fails them (503)."""
-    client = aioredis.Redis.from_url(own_redis.url)
+    client = aioredis.Redis.from_url(own_redis.tcp_url)  # over TCP a closed connection shows only when used
+    writer = aioredis.Redis.from_url(own_redis.url)
     reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
-    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, redis_grace_s=1.0)
+    batcher = CommandBatcher(client)
+    mux = ResultMux(reader_client, batcher, Sealer(), block_ms=50, redis_grace_s=1.0)
     sub = mux.subscribe("s")
     reader = asyncio.create_task(mux.run())
     try:
-        await send(client, mux.key, Delta("a", 0))
+        await send(writer, mux.key, Delta("a", 0))
         assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
+        assert all(await asyncio.gather(*(client.ping() for _ in range(4))))  # pooled connections, idle from now on
         own_redis.stop()
         await asyncio.sleep(0.5)
         assert mux._ticked_at == 0.0, "alive is renewed at the first pass once Redis is back"
         own_redis.start()
-        await send(client, mux.key, Delta("b", 1))
+        await send(writer, mux.key, Delta("b", 1))
         assert await asyncio.wait_for(sub.records.get(), 5) == Delta("b", 1), "no 503 within the grace"
+        pings = []
+        for _ in range(4):  # one pipeline each, at once: as many connections
+            pings.append(batcher.call("PING"))
+            await asyncio.sleep(0)
+        assert await asyncio.gather(*pings, return_exceptions=True) == [True] * 4, \
+            "no pooled connection the restart closed is drawn"
         own_redis.stop()
         failed = await asyncio.wait_for(sub.records.get(), 5)
         assert isinstance(failed, Error) and failed.status == 503 and failed.attempt == 0
     finally:
         await cancel_and_wait([reader])
-        await reader_client.aclose()
-        await client.aclose()
+        for c in (reader_client, writer, client):
+            await c.aclose()
 
 
 async def send(client: aioredis.Redis, key: str, record: Delta) -> None:
