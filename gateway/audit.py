@@ -34,6 +34,7 @@ STREAM = f"{keys.PREFIX}:audit"
 FIELDS = ("id", "key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
 ANONYMOUS_EVERY_S = 1.0
 KEEP_UNWRITTEN = 16
+RETRY_S = 1.0
 
 
 class AuditLog:
@@ -82,14 +83,14 @@ class AuditLog:
             self._timer = None
         if not self._records:
             return None
-        lines, self._records = "\n".join(self._records), []
-        written = self.batcher.call("XADD", STREAM, "MAXLEN", "~", self.max_entries, "*", "e", lines)
-        written.add_done_callback(lambda fut: self._keep_unwritten(fut, lines))
+        records, self._records = self._records, []
+        written = self.batcher.call("XADD", STREAM, "MAXLEN", "~", self.max_entries, "*", "e", "\n".join(records))
+        written.add_done_callback(lambda fut: self._keep_unwritten(fut, records))
         return written
 
-    def _keep_unwritten(self, written: asyncio.Future[Any], lines: str) -> None:
-        """Records Redis did not take go out with the next flush, up to ``KEEP_UNWRITTEN``
-        flushes' worth; past that, the oldest are dropped and counted in the log."""
+    def _keep_unwritten(self, written: asyncio.Future[Any], records: list[str]) -> None:
+        """Records Redis did not take are sent again a second later, ahead of newer ones, up
+        to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and counted."""
         exc = None if written.cancelled() else written.exception()
         if exc is None:
             self._failing = False
@@ -97,10 +98,13 @@ class AuditLog:
         if not self._failing:
             log.warning("audit records could not be written, kept for the next try: %s", exc)
             self._failing = True
-        self._records.insert(0, lines)
-        if len(self._records) > KEEP_UNWRITTEN * self.max_records:
-            dropped = self._records.pop(0)
-            log.warning("dropped %d audit record(s): Redis has been unavailable too long", dropped.count("\n") + 1)
+        self._records[:0] = records
+        excess = len(self._records) - KEEP_UNWRITTEN * self.max_records
+        if excess > 0:
+            del self._records[:excess]
+            log.warning("dropped %d audit record(s): Redis has been unavailable too long", excess)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(RETRY_S, self.flush)
 
     async def close(self) -> None:
         """Write what is gathered before the gateway lets go of Redis."""
