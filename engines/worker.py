@@ -668,7 +668,10 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
     try:
         await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
+            log.info("draining: finishing %d request(s) within %.0f s, taking no new ones",
+                     len(worker.inflight), grace_s)
             await asyncio.wait_for(asyncio.shield(task), grace_s)
+            log.info("drained; the worker exits")
         task.result()
     except TimeoutError:
         log.warning("grace period over; %d request(s) left pending for other workers", len(worker.inflight))
