@@ -94,6 +94,7 @@ class Worker:
         self._acks: list[bytes] = []
         """Queue entries to acknowledge once the records before them are written."""
         self._send_wake = asyncio.Event()
+        self._send_failing = False
         self._quiet_step_s = 0.0
         self._engine_heard_at = time.monotonic()
         """When the engine last reported a step, or was given work while it held none."""
@@ -144,8 +145,9 @@ class Worker:
         return max(0, load.capacity * self.s.intake_factor - len(self.inflight))
 
     def _stalled_s(self) -> float:
-        """How long the engine has held work without finishing a step."""
-        return time.monotonic() - self._engine_heard_at if self.inflight else 0.0
+        """How long the engine has held work without finishing a step (requests still being
+        tokenized here are not the engine's yet)."""
+        return time.monotonic() - self._engine_heard_at if len(self.inflight) > self._preparing else 0.0
 
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
@@ -199,7 +201,7 @@ class Worker:
         self._ack(drop)
         if not fresh:
             return
-        if not self.inflight:
+        if len(self.inflight) <= self._preparing:
             self._engine_heard_at = time.monotonic()
         for req, entry_id, attempt in fresh:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
@@ -235,6 +237,8 @@ class Worker:
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._preparer, lambda: [self._prepared(r) for r in requests])
         finally:
+            if len(self.inflight) <= self._preparing:  # the engine held nothing: its clock starts now
+                self._engine_heard_at = time.monotonic()
             # queued before the count drops, so a stopping worker never sees neither
             for r in prepared:
                 if r.id in self.inflight:
@@ -381,7 +385,9 @@ class Worker:
         replies, self._replies = self._replies, {}
         acks, self._acks = self._acks, []
         now = time.monotonic()
-        async with self.redis.pipeline(transaction=False) as p:
+        # One transaction: a command Redis refuses (out of memory) aborts it all, so acks never
+        # land without the records before them, nor do the records that did get in repeat.
+        async with self.redis.pipeline(transaction=True) as p:
             for key, records in replies.items():
                 p.xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch(records)})
                 if now - self._ttl_renewed.get(key, -1e9) > self.s.result_ttl_s / 4:
@@ -392,10 +398,15 @@ class Worker:
                 p.xdel(self.queue, *acks)
             try:
                 await p.execute()
+                if self._send_failing:
+                    self._send_failing = False
+                    log.info("records are reaching Redis again")
                 return True
             except (RedisError, OSError) as exc:
-                log.error("publishing %d records and %d acks failed, retrying: %s",
-                          sum(len(r) for r in replies.values()), len(acks), exc)
+                if not self._send_failing:
+                    self._send_failing = True
+                    log.error("publishing %d records and %d acks failed; retrying until Redis takes them: %s",
+                              sum(len(r) for r in replies.values()), len(acks), exc)
         for key, records in self._replies.items():
             replies.setdefault(key, []).extend(records)
         for key in replies:

@@ -50,12 +50,14 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     prompt_tokens = estimate_prompt_tokens(parsed)
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
     held = False
+    sent_at = time.time()
     try:
         while True:
             now = time.time()
             decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
                                   max_tokens=max_tokens, signals=state.directory.signals(), now=now,
-                                  model=parsed.model, deadline=deadline if cls == "batch" else None)
+                                  model=parsed.model, deadline=deadline if cls == "batch" else None,
+                                  sent_at=sent_at)
             if decision.outcome != "wait" or not held:  # a held request counts once, not at each look
                 state.metrics.decided(cls, decision.outcome, decision.reason)
             if decision.outcome != "wait":

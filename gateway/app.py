@@ -196,11 +196,13 @@ def _reader_keepalive(url: str) -> dict[str, object]:
     timeout (one would cost a task per read under Python 3.11): a Redis that a network fault
     cut off silently would otherwise hang it for good, and with it every stream and the
     gateway's ``alive`` key. Probes start after 5 s of silence; 3 unanswered ones, 1 s apart,
-    break the connection, and the reader reconnects."""
+    break the connection, and the reader reconnects. A command sent and not acknowledged for 8 s
+    (when no probes go) breaks it too (``TCP_USER_TIMEOUT``, where there is one)."""
     if not url.startswith(("redis://", "rediss://")):
         return {}
     options = {getattr(socket, name): value for name, value in
-               (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3)) if hasattr(socket, name)}
+               (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 8000))
+               if hasattr(socket, name)}
     return {"socket_keepalive": True, "socket_keepalive_options": options}
 
 

@@ -72,10 +72,18 @@ class AuditLog:
 
     def _add(self, record: dict[str, Any]) -> None:
         self._records.append(_json.encode(record).decode())
-        if len(self._records) >= self.max_records:
+        if self._failing:  # the retry timer sends them: not a doomed write per request
+            self._bound()
+        elif len(self._records) >= self.max_records:
             self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
+
+    def _bound(self) -> None:
+        excess = len(self._records) - KEEP_UNWRITTEN * self.max_records
+        if excess > 0:
+            del self._records[:excess]
+            log.warning("dropped %d audit record(s): Redis has been unavailable too long", excess)
 
     def flush(self) -> asyncio.Future[Any] | None:
         if self._timer is not None:
@@ -89,8 +97,8 @@ class AuditLog:
         return written
 
     def _keep_unwritten(self, written: asyncio.Future[Any], records: list[str]) -> None:
-        """Records Redis did not take are sent again a second later, ahead of newer ones, up
-        to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and counted."""
+        """Records Redis did not take are sent again a second later, with those written since,
+        up to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and counted."""
         exc = None if written.cancelled() else written.exception()
         if exc is None:
             self._failing = False
@@ -99,10 +107,7 @@ class AuditLog:
             log.warning("audit records could not be written, kept for the next try: %s", exc)
             self._failing = True
         self._records[:0] = records
-        excess = len(self._records) - KEEP_UNWRITTEN * self.max_records
-        if excess > 0:
-            del self._records[:excess]
-            log.warning("dropped %d audit record(s): Redis has been unavailable too long", excess)
+        self._bound()
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(RETRY_S, self.flush)
 

@@ -369,8 +369,9 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
 
     async def send() -> None:
         if out and resp is not None:
-            await resp.write(b"".join(out))
-            out.clear()
+            data = b"".join(out)
+            out.clear()  # before the write: a deadline during its drain must not send it again
+            await resp.write(data)
 
     resp = None
     with contextlib.suppress(TimeoutError):

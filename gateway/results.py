@@ -109,7 +109,10 @@ class ResultMux:
     async def _drop_stale_connections(self) -> None:
         """After an outage, the commands' idle pooled connections may all be dead (a Redis that
         restarted closed them): each would fail the first request to draw it, as a 503."""
-        await self.batcher.redis.connection_pool.disconnect(inuse_connections=False)
+        try:
+            await self.batcher.redis.connection_pool.disconnect(inuse_connections=False)
+        except (RedisError, OSError) as exc:  # the reader must go on whatever closing them says
+            log.warning("closing the idle Redis connections after an outage failed: %s", exc)
 
     def _tick(self) -> None:
         """About once a second (this loop wakes at least once a ``block_ms``): renew ``alive``

@@ -98,10 +98,12 @@ class AdmissionController:
 
     def decide(self, *, cls: str, stream: bool, prompt_tokens: int, max_tokens: int | None,
                signals: Mapping[str, PoolSignals], now: float, model: str | None = None,
-               deadline: float | None = None) -> Decision:
+               deadline: float | None = None, sent_at: float | None = None) -> Decision:
         """Decide for one request. ``signals`` has every pool the gateway knows (queue depth
         from Redis, the live heartbeats); ``max_tokens=None`` is costed at the pool's learned
-        mean output. A held-back batch request is asked about again with its ``deadline``."""
+        mean output. A held-back batch request is asked about again with its ``deadline`` and
+        when it was first asked (``sent_at``, ``now`` if not given): what it would take on an
+        idle pool is judged against the time it was given, not what holding it has left."""
         own = self.cfg.routing.pools[cls]
         if max_tokens is None:
             max_tokens = round(self.estimate(own[0]).completion_tokens)
@@ -113,7 +115,8 @@ class AdmissionController:
             if route is None:
                 return self._unavailable(own, signals, now)
             return self._interactive(route, budget, stream, now)
-        return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline)
+        return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline,
+                           now if sent_at is None else sent_at)
 
     def prompt_book(self, pool: str) -> PromptBook:
         book = self.prompts.get(pool)
@@ -152,7 +155,7 @@ class AdmissionController:
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
-               deadline: float | None) -> Decision:
+               deadline: float | None, sent_at: float) -> Decision:
         target = self.cfg.objectives.batch
         if deadline is not None and now >= deadline:
             return Decision("expired", "deadline", 504)
@@ -176,14 +179,16 @@ class AdmissionController:
                 pred = route.prediction
                 drain = pred.queue_wait_s * (depth - target.max_queue + 1) / (pred.ahead + 1)
             return Decision("shed", "batch-queue-full", 429, self._clamp_retry(drain), predicted, pool, worker)
-        if deadline is not None and route is not None and now + predicted > deadline:
-            # The deadline is relative to when a request is sent: once the backlog ahead has
-            # drained, the same request sent again fits, if it fits an idle pool at all.
-            fits_idle = now + route.prediction.hold_s <= deadline
-            retry = self._clamp_retry(route.prediction.wait_s) if fits_idle else 0.0
-            return Decision("shed", "cannot-meet-deadline", 429, retry, predicted, pool, worker)
+        # The deadline is relative to when a request is sent: if its answer fits the time it was
+        # given on an idle pool, the same request sent again once the backlog (or the interactive
+        # load that holds it back) is gone fits; if not, no wait helps.
+        if deadline is not None and route is not None and route.prediction.hold_s > deadline - sent_at:
+            return Decision("shed", "cannot-meet-deadline", 429, 0.0, predicted, pool, worker)
         if pool in self._shared and self._interactive_load(signals) >= target.hold_load:
             return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
+        if deadline is not None and route is not None and now + predicted > deadline:
+            return Decision("shed", "cannot-meet-deadline", 429, self._clamp_retry(route.prediction.wait_s),
+                            predicted, pool, worker)
         self.breaker(pool).acquire(now)
         if route is not None:
             self.prompt_book(pool).book(route.prediction.prompt_share_s, now, route.prediction.priced_share)

@@ -8,6 +8,7 @@ as configured (a model that does not load) stops the stack: a restart would fail
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -87,10 +88,14 @@ def _ready(url: str) -> bool:
     """Whether the gateway answers ``/readyz`` with 200: it listens, and every pool has a worker
     (a model can take minutes to load; "ready" is the line to wait for)."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        with _DIRECT.open(url, timeout=1) as resp:
             return resp.status == 200
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):
         return False
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""This machine's own gateway: never through an ``http_proxy`` the environment names."""
 
 
 def private_redis_dir(cfg: Config) -> Path:

@@ -29,7 +29,10 @@ async def test_records_redis_did_not_take_are_sent_again_once_it_is_back(own_red
     assert caplog.text.count("audit records could not be written") == 1
     audit.write("b", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.start()
-    await asyncio.sleep(RETRY_S + 0.5)  # no request comes meanwhile: the retry is its own
+    deadline = time.monotonic() + RETRY_S + 10  # no request comes meanwhile: the retry is its own
+    while not await client.exists(STREAM):
+        assert time.monotonic() < deadline, "the kept records are sent again"
+        await asyncio.sleep(0.05)
     assert written(await client.xrange(STREAM)) == ["a", "b"]
     await client.aclose()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import SimpleNamespace
 
@@ -84,8 +85,6 @@ class _Writes:
 async def test_records_that_arrive_together_go_out_in_one_write() -> None:
     """A record alone is sent at once; records queued together (a backlog, the last ones) are
     sent in one write, each still a chunk of its own."""
-    import asyncio
-
     from gateway.completions import _stream
     from gateway.results import Subscription
     from slogate.protocol import Delta
@@ -110,6 +109,30 @@ async def test_records_that_arrive_together_go_out_in_one_write() -> None:
     events = [e for e in last.split(b"\n\n") if e]
     assert [e.split(b'"content":')[1][:3] for e in events[:2]] == [b'"b"', b'"c"']
     assert b'"finish_reason":"stop"' in events[2] and b'"usage"' in events[3] and events[4] == b"data: [DONE]"
+
+
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+async def test_a_write_the_deadline_cuts_short_is_not_sent_again() -> None:
+    """The deadline may fire while a write waits for a slow client to drain: what that write
+    put on the wire must not go out again with the stream's end."""
+    from gateway.completions import _stream
+    from gateway.results import Subscription
+    from slogate.protocol import Delta
+
+    class SlowClient(_Writes):
+        async def write(self, data: bytes) -> None:
+            await super().write(data)
+            await asyncio.sleep(5)  # the transport has it; the drain never comes
+
+    sub = Subscription("r", keep_alive=True)
+    sub.records.put_nowait(Delta("slow", 0))
+    sub.arrived.set()
+    job = _stream_job(sub)
+    job.gen.deadline = time.time() + 0.3
+    writes = SlowClient()
+    await _stream(_http_request(writes), job)
+    sent = b"".join(data for _, data in writes.calls)
+    assert sent.count(b'"content":"slow"') == 1 and b"deadline_exceeded" in sent
 
 
 def test_the_gateways_own_error_leaves_the_request_to_be_cancelled_on_the_worker() -> None:

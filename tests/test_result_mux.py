@@ -82,7 +82,7 @@ async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_red
     writer = aioredis.Redis.from_url(own_redis.url)
     reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
     batcher = CommandBatcher(client)
-    mux = ResultMux(reader_client, batcher, Sealer(), block_ms=50, redis_grace_s=1.0)
+    mux = ResultMux(reader_client, batcher, Sealer(), block_ms=50, redis_grace_s=3.0)
     sub = mux.subscribe("s")
     reader = asyncio.create_task(mux.run())
     try:
@@ -102,7 +102,7 @@ async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_red
         assert await asyncio.gather(*pings, return_exceptions=True) == [True] * 4, \
             "no pooled connection the restart closed is drawn"
         own_redis.stop()
-        failed = await asyncio.wait_for(sub.records.get(), 5)
+        failed = await asyncio.wait_for(sub.records.get(), 10)
         assert isinstance(failed, Error) and failed.status == 503 and failed.attempt == 0
     finally:
         await cancel_and_wait([reader])
@@ -130,5 +130,6 @@ async def test_the_reader_connection_probes_a_silent_redis_over_tcp(redis_server
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 5
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
     finally:
         await reader.aclose()

@@ -32,9 +32,9 @@ def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: i
 
 
 def ask(ctl: AdmissionController, sig: dict[str, PoolSignals], cls: str = "interactive", stream: bool = False,
-        max_tokens: int | None = 8, now: float = 0.0, deadline: float | None = None):
+        max_tokens: int | None = 8, now: float = 0.0, deadline: float | None = None, sent_at: float | None = None):
     return ctl.decide(cls=cls, stream=stream, prompt_tokens=100, max_tokens=max_tokens, signals=sig,
-                      now=now, model="m", deadline=deadline)
+                      now=now, model="m", deadline=deadline, sent_at=sent_at)
 
 
 def test_idle_interactive_is_admitted_with_a_worker_hint() -> None:
@@ -154,6 +154,17 @@ def test_a_deadline_missed_only_for_the_backlog_says_when_to_send_it_again() -> 
     d = ask(AdmissionController(CFG), signals(b_depth=900), cls="batch", max_tokens=8, now=100.0, deadline=103.0)
     assert (d.outcome, d.reason) == ("shed", "cannot-meet-deadline")
     assert d.retry_after_s > 0
+
+
+def test_a_held_batch_request_is_held_to_its_deadline_not_told_never_to_retry() -> None:
+    """The time it spent held is not the request's fault: near its deadline it is still held
+    (and expires, 504), not shed as if it could never fit."""
+    ctl = AdmissionController(CFG)
+    busy = signals(i_depth=200, i_running=8, b_running=0)
+    for now in (0.0, 20.0, 29.0):
+        d = ask(ctl, busy, cls="batch", max_tokens=100, now=now, deadline=30.0, sent_at=0.0)
+        assert (d.outcome, d.reason) == ("wait", "interactive-busy"), now
+    assert ask(ctl, busy, cls="batch", max_tokens=100, now=30.0, deadline=30.0, sent_at=0.0).outcome == "expired"
 
 
 def test_deadlines_per_class() -> None:
