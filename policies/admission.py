@@ -10,8 +10,9 @@ turn over; or after the request that one more prompt would make late is done, se
 :mod:`policies.prompt_book`). When no slot is free, only requests that hold one no longer than
 a small multiple of the pool's mean may queue: under overload, slot time goes where it makes the
 most on-time answers. Interactive admission never looks at batch demand, so batch can never push
-interactive work out; batch is held back ("wait") while interactive load is high on pools the two
-share, and shed only when its bounded queue is full or its deadline cannot be met.
+interactive work out; batch bound for a pool that interactive work may use too is held back
+("wait") while the interactive pools' load is high, and shed only when its bounded queue is full
+or its deadline cannot be met.
 """
 
 from __future__ import annotations

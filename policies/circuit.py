@@ -67,7 +67,9 @@ class CircuitBreaker:
         if state == "open":
             return
         if state == "half_open":
-            self.probes_in_flight = max(self.probes_in_flight - 1, 0)
+            if not self.probes_in_flight:  # a request let through before it opened: not a probe
+                return
+            self.probes_in_flight -= 1
             self.probe_successes += 1
             if self.probe_successes >= self.cfg.close_after:
                 self._close()

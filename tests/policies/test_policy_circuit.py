@@ -77,6 +77,14 @@ def test_successful_probes_close() -> None:
     assert br.state(5.4) == "closed"  # the old failures were forgotten
 
 
+def test_only_probes_close_a_half_open_breaker() -> None:
+    """Requests let through before it opened that succeed late say nothing of the pool now."""
+    br = opened()
+    br.record_success(5.1)
+    br.record_success(5.2)
+    assert br.state(5.3) == "half_open"
+
+
 def test_failed_probe_reopens_for_another_cool_down() -> None:
     br = opened()
     br.acquire(5.0)
