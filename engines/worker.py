@@ -139,15 +139,21 @@ class Worker:
     def _room(self) -> int:
         """None while the engine is in a step over ``stall_pause_s``: new requests are better
         off with other workers meanwhile."""
-        if self._stalled_s() > self.s.stall_pause_s:
+        if self._paused():
             return 0
         load = self.engine.load()
         return max(0, load.capacity * self.s.intake_factor - len(self.inflight))
 
     def _stalled_s(self) -> float:
-        """How long the engine has held work without finishing a step (requests still being
-        tokenized here are not the engine's yet)."""
-        return time.monotonic() - self._engine_heard_at if len(self.inflight) > self._preparing else 0.0
+        """How long the engine has held work without finishing a step."""
+        return 0.0 if self._engine_holds_nothing() else time.monotonic() - self._engine_heard_at
+
+    def _paused(self) -> bool:
+        return self._stalled_s() > self.s.stall_pause_s
+
+    def _engine_holds_nothing(self) -> bool:
+        """Requests still being tokenized here are not the engine's yet."""
+        return len(self.inflight) <= self._preparing
 
     async def _intake_loop(self) -> None:
         while not self._stopping.is_set():
@@ -201,7 +207,7 @@ class Worker:
         self._ack(drop)
         if not fresh:
             return
-        if len(self.inflight) <= self._preparing:
+        if self._engine_holds_nothing():  # its clock starts with its first work
             self._engine_heard_at = time.monotonic()
         for req, entry_id, attempt in fresh:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
@@ -237,7 +243,7 @@ class Worker:
             prepared = await asyncio.get_running_loop().run_in_executor(
                 self._preparer, lambda: [self._prepared(r) for r in requests])
         finally:
-            if len(self.inflight) <= self._preparing:  # the engine held nothing: its clock starts now
+            if self._engine_holds_nothing():
                 self._engine_heard_at = time.monotonic()
             # queued before the count drops, so a stopping worker never sees neither
             for r in prepared:
@@ -375,9 +381,9 @@ class Worker:
 
     async def _flush(self) -> bool:
         """One entry per reply stream holding everything queued for it, then the acks, in one
-        pipeline; False when Redis did not take it, and all of it is queued again, ahead of
-        what came meanwhile (a part that did arrive is sent twice: the gateway drops repeated
-        text by its offset, and acks repeat harmlessly). The streams' TTLs are kept ahead of
+        transaction; False when Redis did not take it, and all of it is queued again, ahead of
+        what came meanwhile (one that Redis applied but whose reply was lost is sent twice: the
+        gateway drops repeated text by its offset, and acks repeat harmlessly). The streams' TTLs are kept ahead of
         the writes (renewed a few times per TTL, not per write), so a stream whose gateway died
         and that nobody writes to any more goes away ``result_ttl_s`` later."""
         if not self._replies and not self._acks:
@@ -528,7 +534,7 @@ class Worker:
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
             running=load.running, waiting=load.waiting + self._preparing,
-            capacity=0 if self._stopping.is_set() or self._stalled_s() > self.s.stall_pause_s else load.capacity,
+            capacity=0 if self._stopping.is_set() or self._paused() else load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq,
             quiet_step_s=self._quiet_step_s, ts=time.time())
