@@ -51,8 +51,6 @@ class WorkerSettings:
     claim_idle_s: float = 15.0
     engine_stall_s: float = 60.0
     stall_pause_s: float = 5.0
-    """An engine in a step this long (a hang, or a prefill of many thousand tokens on a CPU)
-    takes no new requests and shows no capacity until the step ends."""
     max_attempts: int = 3
     result_ttl_s: float = 60.0
     intake_factor: int = 2
@@ -678,8 +676,8 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(
         pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
-        claim_idle_s=cfg.claim_idle_s, engine_stall_s=cfg.engine_stall_s, max_attempts=cfg.max_attempts,
-        result_ttl_s=cfg.result_ttl_s),
+        claim_idle_s=cfg.claim_idle_s, engine_stall_s=cfg.engine_stall_s, stall_pause_s=cfg.stall_pause_s,
+        max_attempts=cfg.max_attempts, result_ttl_s=cfg.result_ttl_s),
         Sealer.from_text(cfg.encryption_keys))
     if metrics_port:
         start_http_server(metrics_port, registry=worker.metrics.registry)

@@ -7,6 +7,7 @@ the fleet view into their inputs and their outcomes into HTTP answers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 
@@ -41,39 +42,48 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     The caller brackets the admitted request with the directory's ``started``/``ended``.
 
     A batch request told to wait (interactive load is high on a pool it would share) is held
-    here, before it costs any engine work, and asked about again until it may go or its
-    deadline passes.
+    here, before it costs any engine work, in the gateway's line of held requests
+    (:mod:`gateway.holds`): asked about again in its turn until it may go or its deadline
+    passes. A full line sheds it instead.
     """
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
     ctl = state.admission
+    batch = state.cfg.policies.objectives.batch
     prompt_tokens = estimate_prompt_tokens(parsed)
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
-    held = False
+    turn = None
     sent_at = time.time()
     try:
         while True:
             now = time.time()
-            decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
-                                  max_tokens=max_tokens, signals=state.directory.signals(), now=now,
-                                  model=parsed.model, deadline=deadline if cls == "batch" else None,
-                                  sent_at=sent_at)
-            if decision.outcome != "wait" or not held:  # a held request counts once, not at each look
-                state.metrics.decided(cls, decision.outcome, decision.reason)
-            if decision.outcome != "wait":
-                break
-            if not held:
-                held = True
-                state.held += 1
+            pause = deadline - now  # not its turn: until the one ahead goes, or its deadline
+            if turn is None or state.holds.first(turn) or pause <= 0:
+                decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
+                                      max_tokens=max_tokens, signals=state.directory.signals(), now=now,
+                                      model=parsed.model, deadline=deadline if cls == "batch" else None,
+                                      sent_at=sent_at)
+                if decision.outcome == "wait" and turn is None and len(state.holds) >= batch.max_held:
+                    decision = Decision("shed", "batch-queue-full", 429, batch.hold_retry_s,
+                                        decision.predicted_s, decision.pool)
+                if decision.outcome != "wait" or turn is None:  # a held request counts once, not at each look
+                    state.metrics.decided(cls, decision.outcome, decision.reason)
+                if decision.outcome != "wait":
+                    break
+                pause = min(decision.retry_after_s, pause)  # asked again by its deadline, which says 504
+            if turn is None:
+                turn = state.holds.join()
                 state.metrics.held.inc()
-            # Asked again by its deadline at the latest, which then says "expired" (504).
-            await asyncio.sleep(max(0.0, min(decision.retry_after_s, deadline - now)))
+            turn.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, pause)):
+                    await turn.wait()
             if state.draining:
                 raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down",
                                {"x-slogate-class": cls, **retry_headers(1.0)})
     finally:
-        if held:
-            state.held -= 1
+        if turn is not None:
+            state.holds.leave(turn)
             state.metrics.held.dec()
     if decision.admitted:
         return decision

@@ -227,7 +227,7 @@ def _resources(cfg: Config):
                         "configure api_keys for anything but local use")
         app[STATE] = state
         await state.directory.refresh()
-        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run())]
+        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run(state.fail_unserved))]
         yield
         await cancel_and_wait(tasks)
         await state.audit.close()
@@ -293,10 +293,11 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
         ready.set()
     await stop.wait()
     state = app[STATE]
-    state.draining = True
-    log.info("draining: %d request(s) in flight, %d held back, grace %.0fs", state.in_flight, state.held, grace_s)
+    state.drain()
+    log.info("draining: %d request(s) in flight, %d held back, grace %.0fs", state.in_flight, len(state.holds),
+             grace_s)
     end = time.monotonic() + grace_s
-    while (state.in_flight or state.held) and time.monotonic() < end:
+    while (state.in_flight or state.holds) and time.monotonic() < end:
         await asyncio.sleep(0.05)
     if state.in_flight:
         # Each gets its answer's end, a 503 (an error event on a stream), not a cut connection

@@ -142,7 +142,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         messages=parsed.messages, stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive)
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": admission}
-    job = _Job(state, parsed, gen, state.mux.subscribe(request_id, keep_alive=parsed.stream), arrived, headers)
+    job = _Job(state, parsed, gen, state.mux.subscribe(request_id, parsed.stream, pool), arrived, headers)
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1

@@ -52,6 +52,8 @@ class Subscription:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once a record is queued: a stream waits for it before it answers (``STREAM_HOLD_S``)."""
     heard_at: float = field(default_factory=time.monotonic)
+    pool: str = ""
+    since: float = field(default_factory=time.monotonic)
 
 
 class ResultMux:
@@ -74,8 +76,8 @@ class ResultMux:
         self._ticked_at = 0.0
         self._subs: dict[bytes, Subscription] = {}
 
-    def subscribe(self, request_id: str, keep_alive: bool = False) -> Subscription:
-        sub = Subscription(request_id, keep_alive)
+    def subscribe(self, request_id: str, keep_alive: bool = False, pool: str = "") -> Subscription:
+        sub = Subscription(request_id, keep_alive, pool=pool)
         self._subs[request_id.encode()] = sub
         return sub
 
@@ -160,12 +162,17 @@ class ResultMux:
             return Error(f"a worker sent a record this gateway cannot read ({exc})",
                          "protocol_mismatch", 502, attempt=0)
 
-    def fail_all(self, message: str, code: str) -> None:
-        """End every waiting request with a 503 of the gateway's own (attempt 0: the workers
-        are told to stop them)."""
+    def fail_all(self, message: str, code: str, pool: str | None = None, since: float | None = None) -> int:
+        """End every waiting request (of ``pool``, subscribed by ``since`` on the monotonic
+        clock, if given) with a 503 of the gateway's own (attempt 0: the workers are told to stop
+        them). Returns how many."""
+        failed = 0
         for sub in list(self._subs.values()):
-            sub.records.put_nowait(Error(message, code, 503, attempt=0))
-            sub.arrived.set()
+            if (pool is None or sub.pool == pool) and (since is None or sub.since <= since):
+                sub.records.put_nowait(Error(message, code, 503, attempt=0))
+                sub.arrived.set()
+                failed += 1
+        return failed
 
     async def close(self) -> None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ from aiohttp import web
 from gateway.audit import AuditLog
 from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
+from gateway.holds import HoldLine
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
 from gateway.results import ResultMux
@@ -21,6 +23,8 @@ from policies.admission import AdmissionController
 from slogate import keys
 from slogate.config import Config
 from slogate.crypto import Sealer
+
+log = logging.getLogger("slogate.gateway")
 
 
 @dataclass
@@ -38,9 +42,32 @@ class GatewayState:
     audit: AuditLog
     draining: bool = False
     in_flight: int = 0
-    held: int = 0
-    """Batch requests held back before queueing (``gateway.admit``): a drain waits for them too."""
+    holds: HoldLine = field(default_factory=HoldLine)
+    """Batch requests held back before queueing (``gateway.admit``): a drain wakes them, and
+    waits for them too."""
     started_at: float = field(default_factory=time.time)
+
+    def drain(self) -> None:
+        """Take no new requests; the held ones learn it at once, not at their next look."""
+        self.draining = True
+        self.holds.wake_all()
+
+    def fail_unserved(self) -> None:
+        """End the requests of a pool that has had no live worker for ``workerless_grace_s``
+        (counted from the later of the pool's loss and the request's start), with a 503, and
+        cancel them, so a worker that comes later skips them. A worker that restarts within the
+        grace takes them over; past it, a client would otherwise wait to its deadline (an hour
+        for batch) with nothing sent."""
+        grace = self.cfg.workerless_grace_s
+        cutoff = time.monotonic() - grace
+        for pool, since in self.directory.unserved_since.items():
+            if since > cutoff:
+                continue
+            failed = self.mux.fail_all(f"pool '{pool}' has had no live worker for {grace:g} s; the request was "
+                                       "cancelled; retry once a worker serves the pool", "no_live_worker",
+                                       pool, cutoff)
+            if failed:
+                log.warning("ended %d request(s) of pool %r with 503: no live worker for %g s", failed, pool, grace)
 
     def cancel(self, request_id: str, deadline: float) -> None:
         """Tell whichever worker holds the request to stop: a key for workers that have not

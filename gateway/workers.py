@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -64,18 +67,26 @@ class FleetView:
         return self._serving.get(model, [])
 
 
+STALE_AFTER_S = 2.0
+"""How long the fleet view may go without a successful read (at the default poll, 4 missed
+reads) before the gateway counts Redis as unreachable."""
+
+
 class WorkerDirectory:
     def __init__(self, redis: aioredis.Redis, pools: list[str], poll_s: float = 0.5) -> None:
         self.redis = redis
         self.configured_pools = pools
         self.poll_s = poll_s
         self.view = FleetView()
-        self.redis_ok = False
+        self._read_at = -math.inf
+        """When (monotonic) the last read of the fleet succeeded."""
         self._said_down = False
         """Whether the log says Redis is unreachable, so each outage is one line, from the first
         read on (a gateway started without Redis says so), and so is each recovery."""
         self.own = InFlight()
         """This gateway's requests in flight; the request handlers start and end them."""
+        self.unserved_since: dict[str, float] = {}
+        """Since when (monotonic) each pool without a live worker has had none."""
 
     async def refresh(self) -> None:
         try:
@@ -97,13 +108,19 @@ class WorkerDirectory:
         except (RedisError, OSError) as exc:
             if not self._said_down:
                 log.error("Redis unreachable: %s", exc)
-            self.redis_ok, self._said_down = False, True
+            self._read_at, self._said_down = -math.inf, True
             return
         self.view = FleetView(heartbeats, dict(zip(pools, depths)),
                               {pool: self.own.count(pool) for pool in pools})
+        now = time.monotonic()
+        for pool in pools:
+            if self.view.by_pool.get(pool):
+                self.unserved_since.pop(pool, None)
+            else:
+                self.unserved_since.setdefault(pool, now)
         if self._said_down:
             log.info("Redis reachable again")
-        self.redis_ok, self._said_down = True, False
+        self._read_at, self._said_down = time.monotonic(), False
 
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's requests in flight: this gateway's own, counted as they start and end,
@@ -115,9 +132,18 @@ class WorkerDirectory:
             out[pool] = PoolSignals(pool, mine.count(pool) + others, view.by_pool.get(pool, []), mine.ends(pool))
         return out
 
-    async def run(self) -> None:
+    @property
+    def redis_ok(self) -> bool:
+        """Whether Redis answered the fleet read lately. Not just whether the last read failed:
+        a frozen Redis fails no read until the client's socket timeout (5 s), and until then the
+        gateway would say it is ready and queue requests nobody can take."""
+        return time.monotonic() - self._read_at <= max(STALE_AFTER_S, 4 * self.poll_s)
+
+    async def run(self, after_refresh: Callable[[], None] | None = None) -> None:
         while True:
             await self.refresh()
+            if after_refresh is not None:
+                after_refresh()
             await asyncio.sleep(self.poll_s)
 
     def ready(self) -> tuple[bool, str]:

@@ -48,6 +48,10 @@ class BatchObjective(_Section, frozen=True):
     """Interactive load ((queued + waiting + running) / capacity) at which batch headed for a
     pool that interactive work may use is told to wait."""
     hold_retry_s: PosFloat = 1.0
+    """How often the oldest held-back batch request asks again whether it may go."""
+    max_held: PosInt = 1000
+    """Batch requests one gateway holds back at once (each keeps its client's connection open);
+    beyond it batch is shed as ``batch-queue-full``."""
 
 
 class Objectives(_Section, frozen=True):

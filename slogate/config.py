@@ -88,6 +88,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     """A worker whose engine holds requests and has not finished a step for this long stops
     (and is restarted by ``slogate up``), leaving its requests to other workers: a hung engine
     would otherwise hold them until their deadlines while its heartbeat says all is well."""
+    stall_pause_s: float = 5.0
+    """A worker whose engine has been in one step this long (a hang, or a prefill of many
+    thousand tokens on a CPU) takes no new requests and shows no capacity until the step ends."""
+    workerless_grace_s: float = 60.0
+    """A request whose pool has had no live worker for this long (since the later of the last
+    worker's loss and the request's start) is ended with a 503 and cancelled. Shorter losses
+    are ridden out: a restarted worker takes the requests over."""
     max_attempts: int = 3
     """Deliveries before a request that keeps killing workers is failed instead of retried."""
     result_ttl_s: float = 60.0
@@ -195,7 +202,8 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
                 "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
-                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "max_attempts",
+                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s", "workerless_grace_s",
+                "max_attempts",
                 "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
@@ -204,6 +212,8 @@ def _check_ranges(cfg: Config) -> None:
         raise ConfigError(f"port: must be at most 65535, got {cfg.port}")
     if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:
         raise ConfigError("heartbeat_ttl_s: must exceed heartbeat_interval_s, or live workers flicker")
+    if cfg.stall_pause_s >= cfg.engine_stall_s:
+        raise ConfigError("stall_pause_s: must be below engine_stall_s, or a stalled worker takes requests until it ends")
     if cfg.log_format not in ("json", "text"):
         raise ConfigError(f"log_format: must be json or text, got {cfg.log_format!r}")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

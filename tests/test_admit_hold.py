@@ -10,8 +10,11 @@ import pytest
 
 from gateway.admit import admit
 from gateway.errors import APIError
+from gateway.holds import HoldLine
 from gateway.metrics import GatewayMetrics
 from gateway.schema import ParsedRequest
+from gateway.state import GatewayState
+from policies import config as policy_config
 from policies.admission import Decision
 from slogate.protocol import SamplingParams
 
@@ -29,9 +32,28 @@ class Busy:
         return Decision("wait", "interactive-busy", 429, self.retry_s)
 
 
-def held_state(controller: Busy) -> SimpleNamespace:
-    return SimpleNamespace(cfg=SimpleNamespace(admission_control=True), admission=controller, draining=False,
-                           held=0, metrics=GatewayMetrics(), directory=SimpleNamespace(signals=dict))
+class Until:
+    """Says "wait" (retry after ``retry_s``) until ``go`` is set, then admits whoever asks."""
+
+    def __init__(self, retry_s: float) -> None:
+        self.retry_s, self.go = retry_s, False
+
+    def decide(self, **_) -> Decision:
+        if self.go:
+            return Decision("admit", "queued", 200, pool="batch")
+        return Decision("wait", "interactive-busy", 429, self.retry_s, pool="batch")
+
+    def objective(self, stream: bool) -> float:
+        return 0.15
+
+    budget = objective
+
+
+def held_state(controller: Busy | Until, max_held: int = 1000) -> SimpleNamespace:
+    policies = policy_config.load({"objectives": {"batch": {"max_held": max_held}}})
+    return SimpleNamespace(cfg=SimpleNamespace(admission_control=True, policies=policies), admission=controller,
+                           draining=False, holds=HoldLine(), metrics=GatewayMetrics(),
+                           directory=SimpleNamespace(signals=dict))
 
 
 PARSED = ParsedRequest(kind="chat", model="m", stream=False, include_usage=False, sampling=SamplingParams(),
@@ -51,16 +73,68 @@ async def test_a_held_request_is_asked_again_at_its_deadline_and_gets_a_504() ->
         await admit(state, PARSED, "batch", deadline)
     assert refused.value.status == 504 and refused.value.code == "deadline_exceeded"
     assert decisions(state, "wait") == 1 and decisions(state, "expired") == 1, "counted once each, not per look"
-    assert state.held == 0 and state.metrics.held._value.get() == 0
+    assert not state.holds and state.metrics.held._value.get() == 0
 
 
 async def test_a_draining_gateway_answers_what_it_holds_with_a_503() -> None:
     deadline = time.time() + 30
     controller = Busy(retry_s=0.01, deadline=deadline)
     state = held_state(controller)
-    asyncio.get_running_loop().call_later(0.05, setattr, state, "draining", True)
+    asyncio.get_running_loop().call_later(0.05, GatewayState.drain, state)
     with pytest.raises(APIError) as refused:
         await admit(state, PARSED, "batch", deadline)
     assert refused.value.status == 503 and refused.value.code == "shutting_down"
     assert controller.asked >= 2 and decisions(state, "wait") == 1
-    assert state.held == 0
+    assert not state.holds
+
+
+async def test_a_drain_wakes_requests_waiting_behind_others_at_once() -> None:
+    """Only the oldest looks again each retry interval; the ones behind it sleep to their deadline
+    unless woken."""
+    deadline = time.time() + 30
+    state = held_state(Until(retry_s=30.0))
+    held = [asyncio.create_task(admit(state, PARSED, "batch", deadline)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert len(state.holds) == 3
+    GatewayState.drain(state)
+    results = await asyncio.wait_for(asyncio.gather(*held, return_exceptions=True), 5)
+    assert [getattr(r, "code", r) for r in results] == ["shutting_down"] * 3
+    assert not state.holds
+
+
+async def test_held_requests_go_in_the_order_they_came() -> None:
+    """The younger one's timer fires first after the load falls; before the line, it went first."""
+    deadline = time.time() + 30
+    controller = Until(retry_s=0.3)
+    state = held_state(controller)
+    order: list[str] = []
+
+    async def ask(name: str) -> None:
+        await admit(state, PARSED, "batch", deadline)
+        order.append(name)
+
+    older = asyncio.create_task(ask("older"))
+    await asyncio.sleep(0.15)
+    younger = asyncio.create_task(ask("younger"))
+    await asyncio.sleep(0.2)  # the older one last asked 0.35 s ago, the younger one 0.2 s ago
+    controller.go = True
+    await asyncio.wait_for(asyncio.gather(older, younger), 5)
+    assert order == ["older", "younger"]
+    assert decisions(state, "wait") == 2 and decisions(state, "admit") == 2
+    assert not state.holds and state.metrics.held._value.get() == 0
+
+
+async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:
+    deadline = time.time() + 30
+    state = held_state(Until(retry_s=30.0), max_held=1)
+    first = asyncio.create_task(admit(state, PARSED, "batch", deadline))
+    await asyncio.sleep(0.05)
+    with pytest.raises(APIError) as refused:
+        await admit(state, PARSED, "batch", deadline)
+    assert refused.value.status == 429 and refused.value.code == "batch_queue_full"
+    assert refused.value.headers["Retry-After"] == "1"
+    assert decisions(state, "shed") == 1 and len(state.holds) == 1
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert not state.holds

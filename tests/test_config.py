@@ -25,6 +25,8 @@ def test_yaml_then_env_then_overrides(tmp_path) -> None:
     ("heartbeat_interval_s: 5\nheartbeat_ttl_s: 2\n", "heartbeat_ttl_s"),
     ("claim_idle_s: 0\n", "claim_idle_s"),
     ("engine_stall_s: 0\n", "engine_stall_s"),
+    ("engine_stall_s: 4\n", "stall_pause_s: must be below engine_stall_s"),
+    ("workerless_grace_s: 0\n", "workerless_grace_s"),
     ("policies:\n  routing:\n    pools: {batch: [bulk]}\n", "policies.routing.pools.batch: pool 'bulk'"),
     ("policies:\n  routing:\n    interactive_spill: [nope]\n", "policies.routing.interactive_spill: pool 'nope'"),
 ])

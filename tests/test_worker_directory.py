@@ -3,11 +3,18 @@ exactly as they start and end, other gateways' from the stream's length."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
+import pytest
 import redis.asyncio as aioredis
 
+from gateway import workers
 from gateway.workers import WorkerDirectory
 from slogate import keys, protocol
+from slogate.local_redis import LocalRedis
 from slogate.protocol import Heartbeat, ModelInfo
+from slogate.tasks import cancel_and_wait
 
 
 async def test_in_flight_counts_own_requests_at_once_and_others_from_the_stream(redis_url: str) -> None:
@@ -34,3 +41,32 @@ async def test_in_flight_counts_own_requests_at_once_and_others_from_the_stream(
     assert (sig["interactive"].in_flight, sig["batch"].in_flight) == (6, 1)
     assert list(sig["interactive"].own_ends) == [101.0]
     await client.aclose()
+
+
+async def test_a_frozen_redis_makes_the_gateway_unready_before_its_reads_time_out(
+        own_redis: LocalRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of a stopped Redis fails only at the socket timeout (5 s); until then /readyz said ok."""
+    monkeypatch.setattr(workers, "STALE_AFTER_S", 0.3)
+    client = aioredis.Redis.from_url(own_redis.url, socket_timeout=5)
+    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 4096)],
+                   running=0, waiting=0, capacity=16)
+    await client.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb))
+    directory = workers.WorkerDirectory(client, ["interactive"], poll_s=0.05)
+    reading = asyncio.create_task(directory.run())
+    try:
+        await asyncio.sleep(0.2)
+        assert directory.ready() == (True, "ok")
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.0)
+            assert directory.ready() == (False, "Redis is unreachable")
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if directory.ready()[0]:
+                break
+        assert directory.ready() == (True, "ok")
+    finally:
+        await cancel_and_wait([reading])
+        await client.aclose()
