@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.batcher import CommandBatcher
 from gateway.results import QUIET, ResultMux
@@ -108,6 +109,33 @@ async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_red
         await cancel_and_wait([reader])
         for c in (reader_client, writer, client):
             await c.aclose()
+
+
+async def test_the_reader_goes_on_when_closing_stale_connections_fails(own_redis, monkeypatch) -> None:
+    """The close after an outage raised out of the reader's loop: every stream of the gateway
+    then waited for records nobody read, to its deadline."""
+    client = aioredis.Redis.from_url(own_redis.url)
+    reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
+
+    async def fails(**_) -> None:
+        raise RedisConnectionError("closing failed")
+
+    monkeypatch.setattr(client.connection_pool, "disconnect", fails)
+    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, redis_grace_s=3.0)
+    sub = mux.subscribe("s")
+    reader = asyncio.create_task(mux.run())
+    try:
+        own_redis.stop()
+        await asyncio.sleep(0.3)
+        own_redis.start()
+        writer = aioredis.Redis.from_url(own_redis.url)
+        await send(writer, mux.key, Delta("a", 0))
+        assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
+        assert not reader.done()
+        await writer.aclose()
+    finally:
+        await cancel_and_wait([reader])
+        await reader_client.aclose()
 
 
 async def send(client: aioredis.Redis, key: str, record: Delta) -> None:

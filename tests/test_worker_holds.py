@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import redis.asyncio as aioredis
 
+from engines.base import LONG_PROMPT_CHARS
 from engines.engine_process import EngineDied
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
@@ -154,3 +155,49 @@ async def test_acks_never_land_without_the_records_before_them(own_redis: LocalR
     assert await worker._flush() is True
     assert (await client.xpending(queue, keys.GROUP))["pending"] == 0 and await client.xlen(REPLIES) == 1
     await client.aclose()
+
+
+class SlowTokenizer:
+    """The sim engine, with a tokenizer that takes ``prepare_s`` over a prompt."""
+
+    def __init__(self, prepare_s: float) -> None:
+        self.inner = create(decode_base_s=0)
+        self.prepare_s = prepare_s
+        self.name, self.model_id, self.max_context = "slow-tokenizer", "m", 8192
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def prepare(self, request):
+        time.sleep(self.prepare_s)
+        return request
+
+
+async def test_a_long_prompt_being_tokenized_is_no_stalled_engine(redis_url: str) -> None:
+    """Counted from the request's arrival, a tokenizer slower than ``stall_pause_s`` paused the
+    worker's intake, and one slower than ``engine_stall_s`` made it give up a healthy engine."""
+    client = aioredis.Redis.from_url(redis_url)
+    settings = WorkerSettings(pool="p", heartbeat_interval_s=0.1, heartbeat_ttl_s=0.5, engine_stall_s=1.0,
+                              stall_pause_s=0.3)
+    worker = Worker(SlowTokenizer(prepare_s=1.5), client, settings)
+    task = asyncio.create_task(worker.run())
+    req = GenerateRequest(id="long", model="m", pool="p", cls="batch", sampling=SamplingParams(max_tokens=5),
+                          deadline=time.time() + 30, enqueued_at=time.time(), reply=REPLIES,
+                          prompt="x" * (LONG_PROMPT_CHARS + 1))
+    await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "long", protocol.FIELD: protocol.encode(req)})
+    try:
+        while not worker.inflight:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.6)  # past stall_pause_s, still tokenizing
+        heartbeat = protocol.decode_heartbeat(await client.get(keys.heartbeat("p", settings.worker_id)))
+        assert heartbeat.capacity > 0 and heartbeat.waiting == 1
+        records = []
+        while not any(isinstance(r, Final) for r in records):
+            assert not task.done(), "the worker must not give its engine up"
+            await asyncio.sleep(0.05)
+            records = [protocol.decode_result(payload) for _, f in await client.xrange(REPLIES)
+                       for _, payload in protocol.decode_batch(f[protocol.BATCH_FIELD])]
+        assert records[-1].completion_tokens == 5
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
