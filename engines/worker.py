@@ -109,8 +109,10 @@ class Worker:
             await self._engine_loop()
         finally:
             await cancel_and_wait(tasks)
+            key = keys.heartbeat(self.s.pool, self.s.worker_id)
             try:
-                await self.redis.delete(keys.heartbeat(self.s.pool, self.s.worker_id))
+                async with self.redis.pipeline(transaction=True) as p:
+                    await p.delete(key).srem(keys.WORKERS, key).execute()
             except RedisError:
                 pass
             self._preparer.shutdown(wait=False)
@@ -556,8 +558,10 @@ class Worker:
         key = keys.heartbeat(self.s.pool, self.s.worker_id)
         while True:
             try:
-                await self.redis.set(key, protocol.encode(self.heartbeat()),
-                                     px=int(self.s.heartbeat_ttl_s * 1000))
+                async with self.redis.pipeline(transaction=True) as p:
+                    p.set(key, protocol.encode(self.heartbeat()), px=int(self.s.heartbeat_ttl_s * 1000))
+                    p.sadd(keys.WORKERS, key)
+                    await p.execute()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed: %s", exc)
             await asyncio.sleep(self.s.heartbeat_interval_s)

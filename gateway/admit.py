@@ -44,36 +44,34 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     A batch request told to wait (interactive load is high on a pool it would share) is held
     here, before it costs any engine work, in the gateway's line of held requests
     (:mod:`gateway.holds`): asked about again in its turn until it may go or its deadline
-    passes. A full line sheds it instead.
+    passes. One that comes while others are held joins the line's end without asking (asking,
+    it could go before them), and the first in the line asks at once. A full line sheds it.
     """
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
     ctl = state.admission
-    batch = state.cfg.policies.objectives.batch
     prompt_tokens = estimate_prompt_tokens(parsed)
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
     turn = None
     sent_at = time.time()
+    if cls == "batch" and state.holds:
+        turn = _join(state, parsed, cls, "behind-held")
+        state.holds.wake_first()
     try:
         while True:
             now = time.time()
-            pause = deadline - now  # not its turn: until the one ahead goes, or its deadline
+            pause = deadline - now  # behind others: until the one ahead goes, or its deadline
             if turn is None or state.holds.first(turn) or pause <= 0:
                 decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
                                       max_tokens=max_tokens, signals=state.directory.signals(), now=now,
                                       model=parsed.model, deadline=deadline if cls == "batch" else None,
                                       sent_at=sent_at)
-                if decision.outcome == "wait" and turn is None and len(state.holds) >= batch.max_held:
-                    decision = Decision("shed", "batch-queue-full", 429, batch.hold_retry_s,
-                                        decision.predicted_s, decision.pool)
-                if decision.outcome != "wait" or turn is None:  # a held request counts once, not at each look
-                    state.metrics.decided(cls, decision.outcome, decision.reason)
                 if decision.outcome != "wait":
+                    state.metrics.decided(cls, decision.outcome, decision.reason)
                     break
+                if turn is None:
+                    turn = _join(state, parsed, cls, decision.reason)
                 pause = min(decision.retry_after_s, pause)  # asked again by its deadline, which says 504
-            if turn is None:
-                turn = state.holds.join()
-                state.metrics.held.inc()
             turn.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, pause)):
@@ -88,6 +86,18 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     if decision.admitted:
         return decision
     raise _refusal(state, cls, decision, parsed)
+
+
+def _join(state: GatewayState, parsed: ParsedRequest, cls: str, reason: str) -> asyncio.Event:
+    """A place at the end of the line of held requests, counted once as told to wait; or the
+    429 of a full line."""
+    batch = state.cfg.policies.objectives.batch
+    if len(state.holds) >= batch.max_held:
+        state.metrics.decided(cls, "shed", "batch-queue-full")
+        raise _refusal(state, cls, Decision("shed", "batch-queue-full", 429, batch.hold_retry_s), parsed)
+    state.metrics.decided(cls, "wait", reason)
+    state.metrics.held.inc()
+    return state.holds.join()
 
 
 def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) -> APIError:

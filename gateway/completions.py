@@ -405,6 +405,12 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     return resp
 
 
+NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "no_live_worker", "shutting_down"})
+"""Failures that say nothing of how the pool serves, so its breaker does not count them: a pool
+left without workers (its breaker would then refuse the batch that may queue for a restarted
+worker, and keep probing for minutes once one is back), Redis, this gateway's drain."""
+
+
 def _observe(job: _Job) -> None:
     """Metrics for every request; for finished ones, teach the admission controller what
     they cost; for ones the pool failed, count it against the pool's breaker."""
@@ -420,7 +426,7 @@ def _observe(job: _Job) -> None:
             m.e2e.observe(e2e)
             if job.gen.cls == "interactive":
                 m.missed.inc()
-        if job.status >= 500 and job.status != 504 and job.outcome != "redis_unavailable":
+        if job.status >= 500 and job.status != 504 and job.outcome not in NOT_THE_POOLS_FAULT:
             job.state.admission.observe_failure(job.gen.pool, end)
         return
     m.e2e.observe(e2e)

@@ -54,6 +54,8 @@ class Subscription:
     heard_at: float = field(default_factory=time.monotonic)
     pool: str = ""
     since: float = field(default_factory=time.monotonic)
+    failed: bool = False
+    """Ended by the gateway (``fail_all``): one error record is its answer, not one a pass."""
 
 
 class ResultMux:
@@ -168,7 +170,8 @@ class ResultMux:
         them). Returns how many."""
         failed = 0
         for sub in list(self._subs.values()):
-            if (pool is None or sub.pool == pool) and (since is None or sub.since <= since):
+            if not sub.failed and (pool is None or sub.pool == pool) and (since is None or sub.since <= since):
+                sub.failed = True
                 sub.records.put_nowait(Error(message, code, 503, attempt=0))
                 sub.arrived.set()
                 failed += 1

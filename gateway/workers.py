@@ -1,15 +1,16 @@
 """The gateway's view of the live workers, refreshed from their heartbeat keys.
 
 Heartbeats are keys with a TTL, so a worker that dies simply disappears; the gateway never
-keeps its own list that could go stale. Reads happen on a timer (not per request), so the
-cost of knowing the fleet is independent of the request rate.
+keeps its own list that could go stale. Their names are in a set (``keys.WORKERS``) that the
+gateways prune of expired ones, so a read costs the same however many other keys Redis holds.
+Reads happen on a timer (not per request), so the cost of knowing the fleet is independent of
+the request rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,8 +69,16 @@ class FleetView:
 
 
 STALE_AFTER_S = 2.0
-"""How long the fleet view may go without a successful read (at the default poll, 4 missed
-reads) before the gateway counts Redis as unreachable."""
+"""How long one read of the fleet may wait for Redis (it takes about a millisecond) before
+the gateway counts Redis as unreachable."""
+
+_FORGET_EXPIRED = """
+for _, name in ipairs(ARGV) do
+  if redis.call('EXISTS', name) == 0 then redis.call('SREM', KEYS[1], name) end
+end
+"""
+"""Drop from the set the heartbeat keys that expired, unless the worker renewed one since it
+was read (it adds its name back at each beat anyway)."""
 
 
 class WorkerDirectory:
@@ -78,8 +87,9 @@ class WorkerDirectory:
         self.configured_pools = pools
         self.poll_s = poll_s
         self.view = FleetView()
-        self._read_at = -math.inf
-        """When (monotonic) the last read of the fleet succeeded."""
+        self._read_ok = False
+        self._reading_since: float | None = None
+        """When (monotonic) the read of the fleet under way started; None between reads."""
         self._said_down = False
         """Whether the log says Redis is unreachable, so each outage is one line, from the first
         read on (a gateway started without Redis says so), and so is each recovery."""
@@ -88,9 +98,11 @@ class WorkerDirectory:
         self.unserved_since: dict[str, float] = {}
         """Since when (monotonic) each pool without a live worker has had none."""
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
+        """Read the fleet; False when Redis did not answer."""
+        self._reading_since = time.monotonic()
         try:
-            names = [k async for k in self.redis.scan_iter(match=keys.HEARTBEAT_PATTERN, count=1000)]
+            names = sorted(await self.redis.smembers(keys.WORKERS))
             raw = await self.redis.mget(names) if names else []
             heartbeats = []
             for data in raw:
@@ -100,16 +112,20 @@ class WorkerDirectory:
                     heartbeats.append(protocol.decode_heartbeat(data))
                 except protocol.ProtocolError as exc:
                     log.warning("ignoring a heartbeat this gateway cannot read: %s", exc)
-            pools = sorted({*self.configured_pools, *(hb.pool for hb in heartbeats)})
+            # A pool seen once stays: one whose last worker died is still watched (``unserved_since``).
+            pools = sorted({*self.configured_pools, *self.view.queue_depth, *(hb.pool for hb in heartbeats)})
             async with self.redis.pipeline(transaction=False) as p:
                 for pool in pools:
                     p.xlen(keys.queue(pool))
-                depths = await p.execute()
+                expired = [name for name, data in zip(names, raw) if data is None]
+                if expired:
+                    p.eval(_FORGET_EXPIRED, 1, keys.WORKERS, *expired)
+                depths = (await p.execute())[:len(pools)]
         except (RedisError, OSError) as exc:
             if not self._said_down:
                 log.error("Redis unreachable: %s", exc)
-            self._read_at, self._said_down = -math.inf, True
-            return
+            self._read_ok, self._reading_since, self._said_down = False, None, True
+            return False
         self.view = FleetView(heartbeats, dict(zip(pools, depths)),
                               {pool: self.own.count(pool) for pool in pools})
         now = time.monotonic()
@@ -120,7 +136,8 @@ class WorkerDirectory:
                 self.unserved_since.setdefault(pool, now)
         if self._said_down:
             log.info("Redis reachable again")
-        self._read_at, self._said_down = time.monotonic(), False
+        self._read_ok, self._reading_since, self._said_down = True, None, False
+        return True
 
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's requests in flight: this gateway's own, counted as they start and end,
@@ -134,15 +151,18 @@ class WorkerDirectory:
 
     @property
     def redis_ok(self) -> bool:
-        """Whether Redis answered the fleet read lately. Not just whether the last read failed:
-        a frozen Redis fails no read until the client's socket timeout (5 s), and until then the
-        gateway would say it is ready and queue requests nobody can take."""
-        return time.monotonic() - self._read_at <= max(STALE_AFTER_S, 4 * self.poll_s)
+        """Whether the last read of the fleet succeeded and none has been waiting for Redis
+        longer than ``STALE_AFTER_S``: a frozen Redis fails no read until the client's socket
+        timeout (5 s), and until then the gateway would say it is ready and queue requests
+        nobody can take."""
+        since = self._reading_since
+        return self._read_ok and (since is None or time.monotonic() - since <= STALE_AFTER_S)
 
     async def run(self, after_refresh: Callable[[], None] | None = None) -> None:
+        """Refresh every ``poll_s``, calling ``after_refresh`` after each read that succeeded
+        (what it acts on is then current)."""
         while True:
-            await self.refresh()
-            if after_refresh is not None:
+            if await self.refresh() and after_refresh is not None:
                 after_refresh()
             await asyncio.sleep(self.poll_s)
 

@@ -202,9 +202,8 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
                 "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
-                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s", "workerless_grace_s",
-                "max_attempts",
-                "result_ttl_s", "worker_poll_s"]
+                "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s",
+                "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")
@@ -213,7 +212,8 @@ def _check_ranges(cfg: Config) -> None:
     if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:
         raise ConfigError("heartbeat_ttl_s: must exceed heartbeat_interval_s, or live workers flicker")
     if cfg.stall_pause_s >= cfg.engine_stall_s:
-        raise ConfigError("stall_pause_s: must be below engine_stall_s, or a stalled worker takes requests until it ends")
+        raise ConfigError("stall_pause_s: must be below engine_stall_s, or a stalled worker takes requests "
+                          "until it ends")
     if cfg.log_format not in ("json", "text"):
         raise ConfigError(f"log_format: must be json or text, got {cfg.log_format!r}")
     if cfg.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

@@ -33,4 +33,6 @@ def stream_slots(key_id: str) -> str:
     return f"{PREFIX}:streams:{key_id}"
 
 
-HEARTBEAT_PATTERN = f"{PREFIX}:hb:*"
+WORKERS = f"{PREFIX}:workers"
+"""The names of the heartbeat keys that may be live (a set): gateways read the fleet from it,
+not by scanning the keyspace, whose cancel flags alone can number a million."""

@@ -124,6 +124,27 @@ async def test_held_requests_go_in_the_order_they_came() -> None:
     assert not state.holds and state.metrics.held._value.get() == 0
 
 
+async def test_a_request_that_comes_while_others_are_held_goes_after_them() -> None:
+    """The load falls; a newcomer asks before the older one's next look (half a minute away).
+    Asking, it went first; behind the line, it has the older one ask at once."""
+    deadline = time.time() + 60
+    controller = Until(retry_s=30.0)
+    state = held_state(controller)
+    order: list[str] = []
+
+    async def ask(name: str) -> None:
+        await admit(state, PARSED, "batch", deadline)
+        order.append(name)
+
+    older = asyncio.create_task(ask("older"))
+    await asyncio.sleep(0.05)
+    controller.go = True
+    newer = asyncio.create_task(ask("newer"))
+    await asyncio.wait_for(asyncio.gather(older, newer), 10)  # the older one asks at once, not in 30 s
+    assert order == ["older", "newer"]
+    assert decisions(state, "wait") == 2 and decisions(state, "admit") == 2
+
+
 async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:
     deadline = time.time() + 30
     state = held_state(Until(retry_s=30.0), max_held=1)

@@ -17,11 +17,18 @@ from slogate.protocol import Heartbeat, ModelInfo
 from slogate.tasks import cancel_and_wait
 
 
+async def beat(client: aioredis.Redis, hb: Heartbeat, ttl_ms: int | None = None) -> None:
+    """What a worker's heartbeat writes."""
+    key = keys.heartbeat(hb.pool, hb.worker_id)
+    await client.set(key, protocol.encode(hb), px=ttl_ms)
+    await client.sadd(keys.WORKERS, key)
+
+
 async def test_in_flight_counts_own_requests_at_once_and_others_from_the_stream(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 4096)],
                    running=0, waiting=0, capacity=16)
-    await client.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb))
+    await beat(client, hb)
     directory = WorkerDirectory(client, ["interactive", "batch"])
     mine = [directory.own.start("interactive", 100.0 + i) for i in range(3)]
     for _ in range(3):  # this gateway's requests, queued
@@ -50,7 +57,7 @@ async def test_a_frozen_redis_makes_the_gateway_unready_before_its_reads_time_ou
     client = aioredis.Redis.from_url(own_redis.url, socket_timeout=5)
     hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 4096)],
                    running=0, waiting=0, capacity=16)
-    await client.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb))
+    await beat(client, hb)
     directory = workers.WorkerDirectory(client, ["interactive"], poll_s=0.05)
     reading = asyncio.create_task(directory.run())
     try:
@@ -70,3 +77,21 @@ async def test_a_frozen_redis_makes_the_gateway_unready_before_its_reads_time_ou
     finally:
         await cancel_and_wait([reading])
         await client.aclose()
+
+
+async def test_the_fleet_is_read_from_the_workers_set_and_a_lost_pool_stays_watched(redis_url: str) -> None:
+    """Expired heartbeats leave the set; a pool no config names, once its last worker is gone,
+    is still counted as without workers (its requests are ended after the grace)."""
+    client = aioredis.Redis.from_url(redis_url)
+    extra = Heartbeat(worker_id="w2", pool="extra", engine="sim", models=[ModelInfo("m", 4096)],
+                      running=0, waiting=0, capacity=16)
+    await beat(client, extra, ttl_ms=200)
+    directory = WorkerDirectory(client, ["interactive"])
+    assert await directory.refresh()
+    assert [hb.worker_id for hb in directory.view.by_pool["extra"]] == ["w2"]
+    assert set(directory.unserved_since) == {"interactive"}
+    await asyncio.sleep(0.3)
+    assert await directory.refresh()
+    assert not directory.view.heartbeats and set(directory.unserved_since) == {"interactive", "extra"}
+    assert await client.smembers(keys.WORKERS) == set(), "the expired heartbeat's name is dropped"
+    await client.aclose()

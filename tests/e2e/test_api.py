@@ -207,7 +207,8 @@ async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     names = {k.decode() for k in client.scan_iter("*")}
     per_gateway = ("slogate:r:", "slogate:alive:")
-    per_request = {k for k in names if not k.startswith(("slogate:q:", "slogate:hb:", "slogate:audit", *per_gateway))}
+    shared = ("slogate:q:", "slogate:hb:", "slogate:workers", "slogate:audit")
+    per_request = {k for k in names if not k.startswith((*shared, *per_gateway))}
     replies = [k for k in names if k.startswith("slogate:r:")]
     queues = {p: client.xlen(f"slogate:q:{p}") for p in ("interactive", "batch")}
     pending = {p: client.xpending(f"slogate:q:{p}", "workers")["pending"] for p in queues}
