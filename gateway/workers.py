@@ -73,8 +73,8 @@ STALE_AFTER_S = 2.0
 the gateway counts Redis as unreachable."""
 
 _FORGET_EXPIRED = """
-for _, name in ipairs(ARGV) do
-  if redis.call('EXISTS', name) == 0 then redis.call('SREM', KEYS[1], name) end
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then redis.call('SREM', KEYS[1], KEYS[i]) end
 end
 """
 """Drop from the set the heartbeat keys that expired, unless the worker renewed one since it
@@ -119,7 +119,7 @@ class WorkerDirectory:
                     p.xlen(keys.queue(pool))
                 expired = [name for name, data in zip(names, raw) if data is None]
                 if expired:
-                    p.eval(_FORGET_EXPIRED, 1, keys.WORKERS, *expired)
+                    p.eval(_FORGET_EXPIRED, 1 + len(expired), keys.WORKERS, *expired)
                 depths = (await p.execute())[:len(pools)]
         except (RedisError, OSError) as exc:
             if not self._said_down:
