@@ -53,6 +53,7 @@ class Subscription:
     """Set once a record is queued: a stream waits for it before it answers (``STREAM_HOLD_S``)."""
     heard_at: float = field(default_factory=time.monotonic)
     pool: str = ""
+    """The pool its request was queued on: a pool left without workers fails its own requests."""
     since: float = field(default_factory=time.monotonic)
     failed: bool = False
     """Ended by the gateway (``fail_all``): one error record is its answer, not one a pass."""
