@@ -162,12 +162,15 @@ def _serve(sock: socket.socket, factory: Callable[[], Engine]) -> None:
     stop with nothing held, or until the worker is gone (its end of the socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which says when to stop
     try:
-        engine = factory()
-    except Exception as exc:  # noqa: BLE001 - whatever stops the engine from building, the worker reports it
-        sock.sendall(_frame(("error", f"{type(exc).__name__}: {exc}")))
+        try:
+            engine = factory()
+        except Exception as exc:  # noqa: BLE001 - whatever stops the engine from building, the worker reports it
+            sock.sendall(_frame(("error", f"{type(exc).__name__}: {exc}")))
+            return
+        freeze_startup_heap()
+        sock.sendall(_frame(("ready", engine.name, engine.model_id, engine.max_context, engine.load())))
+    except ConnectionError:  # the worker ended while the engine was building (it could not start)
         return
-    freeze_startup_heap()
-    sock.sendall(_frame(("ready", engine.name, engine.model_id, engine.max_context, engine.load())))
 
     def next_command(wait: bool) -> Command | None:
         return _read(sock) if select.select([sock], [], [], None if wait else 0)[0] else None

@@ -33,7 +33,7 @@ from engines.engine_thread import EngineThread
 from engines.metrics import WorkerMetrics
 from engines.stepping import Step
 from slogate import keys, protocol, tracing
-from slogate.config import DEFAULT_REDIS_URL, Config
+from slogate.config import DEFAULT_REDIS_URL, Config, redacted
 from slogate.crypto import Sealer, SealError
 from slogate.heap import freeze_startup_heap
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
@@ -676,7 +676,9 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
     tracing.setup("slogate-worker")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     freeze_startup_heap()
-    redis = aioredis.Redis.from_url(cfg.redis_url or DEFAULT_REDIS_URL, max_connections=16,
+    url = cfg.redis_url or DEFAULT_REDIS_URL
+    log.info("using Redis at %s", redacted(url))
+    redis = aioredis.Redis.from_url(url, max_connections=16,
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(
         pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,

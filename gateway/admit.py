@@ -120,13 +120,25 @@ def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) 
                       f"targets {budget:.0f} ms); retry after {d.retry_after_s:g} s",
         "exceeds-objective": f"this request is predicted to take {predicted} even on an idle pool, beyond the "
                              f"{objective / state.cfg.policies.admission.margin:.0f} ms that fit the "
-                             f"{objective:.0f} ms interactive objective with admission's margin; send it as "
-                             f"batch (x-slogate-class: batch) or ask for fewer tokens",
+                             f"{objective:.0f} ms interactive objective with admission's margin; "
+                             + (_beyond_context(state, parsed) or "send it as batch (x-slogate-class: batch) or ask "
+                                                                  "for fewer tokens"),
         "batch-queue-full": f"the batch queue is full; retry after {d.retry_after_s:g} s",
         "cannot-meet-deadline": f"predicted completion ({predicted}) falls after the request's deadline",
     }
     return APIError(429, messages.get(d.reason, f"request shed ({d.reason})"), None, d.reason.replace("-", "_"),
                     headers)
+
+
+def _beyond_context(state: GatewayState, parsed: ParsedRequest) -> str | None:
+    """What to say of a request too slow for interactive work that would not fit the model's
+    context either: sent as batch it would only come back a 400, after a wait."""
+    model = state.directory.view.models.get(parsed.model)
+    tokens = estimate_prompt_tokens(parsed)
+    if model is None or tokens + parsed.sampling.max_tokens < model.max_context:
+        return None
+    return (f"besides, its prompt (about {tokens} tokens, at {CHARS_PER_TOKEN} characters a token) and max_tokens "
+            f"likely exceed the model's context of {model.max_context} tokens: shorten the prompt")
 
 
 def _served_elsewhere(state: GatewayState, cls: str, model: str) -> str:

@@ -24,6 +24,9 @@ FIRST_TEXT = re.compile(rb'"content":"[^"]')
 
 
 def _load(path: Path) -> tuple[list[dict], list[dict]]:
+    if not path.is_file():
+        raise SystemExit(f"workload {path} not found: the standard mix is shared/workloads/risk-mix.jsonl beside "
+                         "the checkout; set SLOGATE_WORKLOAD=PATH/risk-mix.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     scores = [r["body"] for r in rows if r["class_hint"] == "interactive" and not r["body"].get("stream")]
     reports = [r["body"] for r in rows if r["class_hint"] == "batch"]

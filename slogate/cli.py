@@ -147,23 +147,26 @@ def build_parser() -> argparse.ArgumentParser:
                                    "one worker per pool, and stop them all on Ctrl-C")
     up.add_argument("--model", help="local model directory or hub id (default: build the tiny model)")
     up.add_argument("--engine", choices=["sim"], help="sim: simulated engines in every pool")
-    up.add_argument("--port", type=int)
+    up.add_argument("--port", type=int, help="the gateway's port (default: the config's, 8000)")
     up.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every worker (e.g. -o decode_base_s=0.004)")
     up.set_defaults(func=cmd_up)
 
     gw = add("gateway", help="run one gateway process")
-    gw.add_argument("--port", type=int)
-    gw.add_argument("--host")
+    gw.add_argument("--port", type=int, help="port to listen on (default: the config's, 8000)")
+    gw.add_argument("--host", help="address to listen on (default: the config's, 0.0.0.0)")
     gw.add_argument("--grace", type=float, default=30.0, help="seconds open requests get on SIGTERM")
     gw.add_argument("--cpus", help="run on these CPUs only, e.g. 0 or 0,2-3 (default: any)")
     gw.set_defaults(func=cmd_gateway)
 
     wk = add("worker", help="run one engine worker for a pool")
-    wk.add_argument("--pool", required=True)
-    wk.add_argument("--engine", choices=["sim", "stream", "paged"])
-    wk.add_argument("--model")
-    wk.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE")
+    wk.add_argument("--pool", required=True, help="the pool whose queue it serves (e.g. interactive, batch)")
+    wk.add_argument("--engine", choices=["sim", "stream", "paged"],
+                    help="stream: latency first; paged: throughput (paged KV cache); sim: no model "
+                         "(default: the pool's engine in the config)")
+    wk.add_argument("--model", help="local model directory or hub id (default: the config's model)")
+    wk.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine option (e.g. -o max_batch=8)")
     wk.add_argument("--threads", type=int,
                     help="torch threads (default: $OMP_NUM_THREADS, else the cores shared among the config's "
                          "workers, as `slogate up` sets them; with --cpus, one per CPU)")
@@ -174,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "engines run in a process of their own, so the engine's Python and the worker's "
                          "Redis I/O never wait for each other's GIL")
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
-    wk.add_argument("--grace", type=float, default=30.0)
+    wk.add_argument("--grace", type=float, default=30.0, help="seconds held requests get on SIGTERM")
     wk.set_defaults(func=cmd_worker)
 
     au = add("audit-export", help="print the audit trail as JSON lines, oldest first")

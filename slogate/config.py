@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -36,8 +36,7 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
-    engine: str = "sim"
-    """sim | stream | paged"""
+    engine: Literal["sim", "stream", "paged"] = "sim"
     workers: int = 1
     options: dict[str, Any] = {}
     """Passed to the engine factory (sim timings, block budget, dtype...)."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import redis
 
+from slogate.tether import die_with_parent
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,10 +25,13 @@ _MAX_SOCKET_PATH = 100
 
 
 class LocalRedis:
-    def __init__(self, state_dir: Path, port: int | None = None, persist: bool = False) -> None:
+    def __init__(self, state_dir: Path, port: int | None = None, persist: bool = False,
+                 tethered: bool = False) -> None:
+        """``tethered``: it stops when this process dies, however it dies (:mod:`slogate.tether`)."""
         self.state_dir = Path(state_dir)
         self.port = port or free_port()
         self.persist = persist
+        self.tethered = tethered
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -64,7 +69,7 @@ class LocalRedis:
         # Its own session: a Ctrl-C at the terminal must reach the supervisor, which stops Redis
         # last, after the processes that still need it have drained.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent() if self.tethered else None)
         client = redis.Redis(port=self.port)
         end = time.monotonic() + timeout
         while True:

@@ -1,18 +1,21 @@
 """``slogate up``: the whole stack on one machine, under one supervisor.
 
 Each part runs as its own process, exactly as it would in a fleet (so what works here works
-with replicas), and the supervisor stops them all on Ctrl-C or SIGTERM. A worker that exits
+with replicas), and the supervisor stops them all on Ctrl-C, SIGTERM or SIGHUP (a second one
+stops them at once); they die with it if it is killed outright. A worker that exits
 on its own is restarted; its requests stay pending in Redis meanwhile. One that cannot start
 as configured (a model that does not load) stops the stack: a restart would fail the same way.
 """
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +26,7 @@ from typing import Any
 
 from slogate.config import Config
 from slogate.local_redis import LocalRedis, free_port
+from slogate.tether import die_with_parent
 
 log = logging.getLogger("slogate.up")
 REAL_ENGINES = {"stream", "paged"}
@@ -107,9 +111,21 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
            config_path: str | None = None) -> int:
     """``config_path``: the file ``cfg`` was read from, which every process started here reads too."""
     state_dir = Path(cfg.state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(state_dir / "up.lock", "w")  # noqa: SIM115 - held for as long as this stack runs
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.error("another slogate up is running with state directory %s; stop it first, or give this one "
+                  "its own (state_dir)", state_dir)
+        return CANNOT_START
+    taken = _port_taken(cfg.host, cfg.port)
+    if taken:
+        log.error("cannot listen on port %d: %s; stop what listens there, or pass --port", cfg.port, taken)
+        return CANNOT_START
     redis = None
     if not cfg.redis_url:
-        redis = LocalRedis(private_redis_dir(cfg), persist=True).start()
+        redis = LocalRedis(private_redis_dir(cfg), persist=True, tethered=True).start()
         cfg.redis_url = redis.url
         (redis.state_dir / "url").write_text(redis.url)
         log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
@@ -123,17 +139,25 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     gateway_cmd = [sys.executable, "-m", "slogate.cli", *config_args, "gateway", "--port", str(cfg.port),
                    "--host", cfg.host]
     worker_cmds = [[*c[:3], *config_args, *c[3:]] for c in _worker_commands(cfg, engine, options or {})]
-
+    procs: dict[int, tuple[list[str], subprocess.Popen[bytes]]] = {}
     stopping = False
 
     def on_signal(signum: int, frame: Any) -> None:
+        """The first stops the stack in order, letting requests finish; a second, at once."""
         nonlocal stopping
+        if stopping:
+            log.warning("stopping at once")
+            for _, proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
         stopping = True
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    procs: dict[int, tuple[list[str], subprocess.Popen[bytes]]] = {}
-    start = lambda cmd: subprocess.Popen(cmd, env=env, start_new_session=True)  # noqa: E731
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+        signal.signal(sig, on_signal)
+    # Their own sessions: a Ctrl-C at the terminal reaches this supervisor, which stops them in
+    # order; tethered, they stop when it dies, however it dies.
+    start = lambda cmd: subprocess.Popen(cmd, env=env, start_new_session=True,  # noqa: E731
+                                         preexec_fn=die_with_parent())
     for i, cmd in enumerate([gateway_cmd, *worker_cmds]):
         procs[i] = (cmd, start(cmd))
     log.info("starting the gateway on port %d and %d worker(s); Ctrl-C stops them", cfg.port, len(worker_cmds))
@@ -146,9 +170,6 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     try:
         while not stopping:
             time.sleep(0.2)
-            if not ready and _ready(readyz):
-                ready = True
-                log.info("slogate is ready: http://%s:%d/v1", _local_host(cfg.host), cfg.port)
             for i, (cmd, proc) in list(procs.items()):
                 if proc.poll() is None:
                     continue
@@ -163,6 +184,9 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
                 log.warning("worker exited with code %s; restarting it", proc.returncode)
                 time.sleep(1.0)
                 procs[i] = (cmd, start(cmd))
+            if not stopping and not ready and _ready(readyz):
+                ready = True
+                log.info("slogate is ready: http://%s:%d/v1", _local_host(cfg.host), cfg.port)
     finally:
         for _, proc in procs.values():
             if proc.poll() is None:
@@ -176,4 +200,16 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
         if redis is not None:
             (redis.state_dir / "url").unlink(missing_ok=True)
             redis.stop()
+        lock.close()
     return code
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on ``port``, found before anything starts: a gateway
+    still there (an earlier stack's) would otherwise answer this stack's readiness probe."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.create_server((host, port), family=family).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None

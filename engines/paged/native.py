@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -326,6 +327,10 @@ def build() -> bool:
     when it cannot be built."""
     global _loaded
     if _loaded is None:
+        # Loaded from the cache, it takes a moment; compiled (the first run), a minute or so of silence.
+        notice = threading.Timer(3.0, log.info, ("compiling the paged decode kernel (first run only; about a minute)",))
+        notice.daemon = True
+        notice.start()
         try:
             from torch.utils.cpp_extension import load_inline
 
@@ -340,6 +345,8 @@ def build() -> bool:
         except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, a bad toolchain: use torch
             log.warning("paged decode kernel unavailable, using the torch path: %s", exc)
             _loaded = False
+        finally:
+            notice.cancel()
     return _loaded
 
 

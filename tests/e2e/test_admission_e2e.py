@@ -63,6 +63,15 @@ async def test_too_long_for_the_objective_is_told_to_go_batch(overloaded: Stack)
     assert status == 200 and headers["x-slogate-pool"] == "batch"
 
 
+async def test_too_long_for_the_context_is_not_told_to_go_batch(overloaded: Stack) -> None:
+    """Sent as batch it could only come back a 400 (context_length_exceeded)."""
+    body = {**SCORE, "max_tokens": 2, "messages": [{"role": "user", "content": "x" * 4 * 8192}]}
+    status, err, headers = await post(overloaded.url, body, **{"x-slogate-class": "interactive"})
+    assert status == 429 and headers["x-slogate-reason"] == "exceeds-objective"
+    assert "exceed the model's context of 8192 tokens" in err["error"]["message"]
+    assert "x-slogate-class: batch" not in err["error"]["message"]
+
+
 async def test_a_model_served_only_by_the_other_class_says_where(tmp_path) -> None:
     server = LocalRedis(tmp_path / "redis").start()
     stack = Stack(server.url, dict(FAST_FLEET))

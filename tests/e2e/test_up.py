@@ -110,6 +110,32 @@ def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp
     assert "exported 2 audit entries" in export.stderr
 
 
+def test_a_stack_dies_with_up_killed_outright_and_no_second_up_takes_its_place(tmp_path: Path) -> None:
+    """Killed outright (SIGKILL: it runs no code), up left its whole stack running as orphans,
+    and a second up then said "ready" on the orphaned gateway's answer before failing on its port."""
+    port = free_port()
+
+    def up_again(where: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        where.mkdir(exist_ok=True)
+        return subprocess.run([sys.executable, "-m", "slogate.cli", "up", "--engine", "sim", *args],
+                              env=up_env(where), cwd=where, capture_output=True, text=True, timeout=60)
+
+    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port)) as up:
+        wait_ready(up, port, 60)
+        kids = children(up.pid)
+        same_state = up_again(tmp_path, "--port", str(free_port()))
+        assert same_state.returncode == 2 and "another slogate up is running" in same_state.stderr
+        same_port = up_again(tmp_path / "other", "--port", str(port))
+        assert same_port.returncode == 2 and f"cannot listen on port {port}" in same_port.stderr
+        assert "slogate is ready" not in same_port.stderr
+        up.kill()
+        up.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in kids):
+            assert time.monotonic() < deadline, "the stack outlived its supervisor"
+            time.sleep(0.1)
+
+
 def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
     """A model that does not load would fail every restart the same way: the stack stops, says
     why, and exits 2."""
