@@ -678,6 +678,10 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
     freeze_startup_heap()
     url = cfg.redis_url or DEFAULT_REDIS_URL
     log.info("using Redis at %s", redacted(url))
+    if pool not in cfg.pools:
+        log.warning("pool %r is not in the configuration, whose pools are %s: gateways that read the same "
+                    "configuration route to it only a model no configured pool serves, and only with admission "
+                    "control off", pool, ", ".join(cfg.pools))
     redis = aioredis.Redis.from_url(url, max_connections=16,
                                     socket_connect_timeout=2, health_check_interval=10)
     worker = Worker(engine, redis, WorkerSettings(

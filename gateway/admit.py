@@ -120,14 +120,14 @@ def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) 
                       f"targets {budget:.0f} ms); retry after {d.retry_after_s:g} s",
         "exceeds-objective": f"this request is predicted to take {predicted} even on an idle pool, beyond the "
                              f"{objective / state.cfg.policies.admission.margin:.0f} ms that fit the "
-                             f"{objective:.0f} ms interactive objective with admission's margin; "
-                             + (_beyond_context(state, parsed) or "send it as batch (x-slogate-class: batch) or ask "
-                                                                  "for fewer tokens"),
+                             f"{objective:.0f} ms interactive objective with admission's margin; ",
         "batch-queue-full": f"the batch queue is full; retry after {d.retry_after_s:g} s",
         "cannot-meet-deadline": f"predicted completion ({predicted}) falls after the request's deadline",
     }
-    return APIError(429, messages.get(d.reason, f"request shed ({d.reason})"), None, d.reason.replace("-", "_"),
-                    headers)
+    message = messages.get(d.reason, f"request shed ({d.reason})")
+    if d.reason == "exceeds-objective":
+        message += _beyond_context(state, parsed) or "send it as batch (x-slogate-class: batch) or ask for fewer tokens"
+    return APIError(429, message, None, d.reason.replace("-", "_"), headers)
 
 
 def _beyond_context(state: GatewayState, parsed: ParsedRequest) -> str | None:
