@@ -27,6 +27,7 @@ from typing import Any
 from engines.base import Engine, EngineLoad, EngineRequest
 from engines.stepping import Command, Failure, Idle, Report, Step, step_until_stopped
 from slogate.heap import freeze_startup_heap
+from slogate.tether import tie_to_parent
 
 log = logging.getLogger("slogate.engine_process")
 
@@ -49,6 +50,7 @@ class EngineProcess:
                  start_timeout_s: float = 900.0) -> None:
         """Start the process and wait until ``factory`` (a picklable callable, run there)
         has built the engine: a model that cannot load fails here, with the engine's reason.
+        Start it from the main thread: the process dies with the thread that started it.
         ``encoder``, run here meanwhile, gives what tokenizes requests in this process, beside
         the engine's steps; without it the engine tokenizes between two of them."""
         ctx = multiprocessing.get_context("spawn")  # torch does not survive a fork after threads
@@ -161,6 +163,9 @@ def _serve(sock: socket.socket, factory: Callable[[], Engine]) -> None:
     """The engine process: build the engine, then apply commands and step until told to
     stop with nothing held, or until the worker is gone (its end of the socket closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which says when to stop
+    # A worker killed (or stopped before it could close the engine) leaves no engine building a
+    # model for nobody; it spawns this process from its main thread.
+    tie_to_parent(multiprocessing.parent_process().pid)
     try:
         try:
             engine = factory()

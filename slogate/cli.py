@@ -98,13 +98,11 @@ def cmd_audit_export(args: argparse.Namespace, cfg: Config) -> None:
     its saved data read through a Redis of this command's own that saves nothing back."""
     from gateway.audit import export
     from slogate.local_redis import LocalRedis
-    from slogate.up import private_redis_dir
+    from slogate.up import private_redis_dir, running_redis_url
 
-    url, own = cfg.redis_url, None
+    url, own = cfg.redis_url or running_redis_url(cfg), None
     private = private_redis_dir(cfg)
-    if not url and (private / "url").exists():
-        url = (private / "url").read_text().strip()
-    elif not url and (private / "dump.rdb").exists():
+    if not url and (private / "dump.rdb").exists():
         own = LocalRedis(private).start()
         url = own.url
     url = url or DEFAULT_REDIS_URL

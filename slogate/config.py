@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import msgspec
@@ -35,8 +35,12 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"api key {self.id!r}: sha256 must be 64 hex digits")
 
 
+ENGINES = ("sim", "stream", "paged")
+
+
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
-    engine: Literal["sim", "stream", "paged"] = "sim"
+    engine: str = "sim"
+    """One of ``ENGINES``."""
     workers: int = 1
     options: dict[str, Any] = {}
     """Passed to the engine factory (sim timings, block budget, dtype...)."""
@@ -220,6 +224,9 @@ def _check_ranges(cfg: Config) -> None:
     for name, pool in cfg.pools.items():
         if pool.workers < 0:
             raise ConfigError(f"pools.{name}.workers: must be >= 0")
+        if pool.engine not in ENGINES:
+            raise ConfigError(f"pools.{name}.engine: unknown engine {pool.engine!r}; choose one of "
+                              f"{', '.join(ENGINES)}")
     routing = cfg.policies.routing
     for where, named in (("pools.interactive", routing.pools.interactive), ("pools.batch", routing.pools.batch),
                          ("interactive_spill", routing.interactive_spill)):

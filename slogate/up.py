@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from slogate.config import Config
 from slogate.local_redis import LocalRedis, free_port
@@ -111,11 +111,8 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
            config_path: str | None = None) -> int:
     """``config_path``: the file ``cfg`` was read from, which every process started here reads too."""
     state_dir = Path(cfg.state_dir).resolve()
-    state_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(state_dir / "up.lock", "w")  # noqa: SIM115 - held for as long as this stack runs
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock = _lock(state_dir)
+    if lock is None:
         log.error("another slogate up is running with state directory %s; stop it first, or give this one "
                   "its own (state_dir)", state_dir)
         return CANNOT_START
@@ -141,12 +138,14 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     worker_cmds = [[*c[:3], *config_args, *c[3:]] for c in _worker_commands(cfg, engine, options or {})]
     procs: dict[int, tuple[list[str], subprocess.Popen[bytes]]] = {}
     stopping = False
+    code = 0
 
     def on_signal(signum: int, frame: Any) -> None:
         """The first stops the stack in order, letting requests finish; a second, at once."""
-        nonlocal stopping
+        nonlocal stopping, code
         if stopping:
             log.warning("stopping at once")
+            code = 1
             for _, proc in procs.values():
                 if proc.poll() is None:
                     proc.kill()
@@ -166,7 +165,6 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
                  cmd[cmd.index("--metrics-port") + 1])
     readyz = f"http://{_local_host(cfg.host)}:{cfg.port}/readyz"
     ready = False
-    code = 0
     try:
         while not stopping:
             time.sleep(0.2)
@@ -202,6 +200,32 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
             redis.stop()
         lock.close()
     return code
+
+
+def _lock(state_dir: Path) -> TextIO | None:
+    """The state directory's lock, held for as long as the stack runs; None if another holds it."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(state_dir / "up.lock", "w")  # noqa: SIM115 - the caller holds it
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
+def running_redis_url(cfg: Config) -> str | None:
+    """The URL of the Redis of a ``slogate up`` running on ``cfg``'s state directory, if one is.
+    The file that names it outlives an ``up`` killed outright, while its Redis dies with it."""
+    url_file = private_redis_dir(cfg) / "url"
+    if not url_file.exists():
+        return None
+    lock = _lock(Path(cfg.state_dir).resolve())
+    if lock is None:
+        return url_file.read_text().strip()
+    url_file.unlink(missing_ok=True)
+    lock.close()
+    return None
 
 
 def _port_taken(host: str, port: int) -> str | None:

@@ -21,7 +21,7 @@ def test_yaml_then_env_then_overrides(tmp_path) -> None:
 @pytest.mark.parametrize("yaml_text,key", [
     ("port: eighty\n", "port"),
     ("pools:\n  a: {workers: many}\n", "pools.a.workers"),
-    ("pools:\n  interactive: {engine: warp}\n", "pools.interactive.engine"),
+    ("pools:\n  interactive: {engine: warp}\n", "pools.interactive.engine: unknown engine 'warp'; choose one of sim"),
     ("colour: blue\n", "colour"),
     ("heartbeat_interval_s: 5\nheartbeat_ttl_s: 2\n", "heartbeat_ttl_s"),
     ("claim_idle_s: 0\n", "claim_idle_s"),

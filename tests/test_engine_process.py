@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -20,7 +22,9 @@ from engines.engine_process import EngineDied, EngineProcess
 from engines.registry import create_engine, start_engine_process
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
+from slogate.processes import python_path
 from slogate.protocol import Delta, Final, GenerateRequest, SamplingParams
+from tests.e2e.test_up import alive, children
 
 REPLIES = keys.replies("test-engine-process")
 PROMPTS = {"en": "The gateway accepts", "zh": "你好，世界。 🚀 launch", "digits": "0 1 2"}
@@ -140,3 +144,32 @@ def _no_tokenizer():
 def test_a_tokenizer_that_cannot_load_is_named_after_the_engine_builds() -> None:
     with pytest.raises(RuntimeError, match="cannot load the tokenizer: tokenizer.json is missing"):
         EngineProcess(partial(create_engine, "sim", None, {}), _no_tokenizer)
+
+
+def test_an_engine_process_dies_with_its_worker_even_while_it_builds() -> None:
+    """A worker killed while its engine was still loading a model left the engine building it,
+    for minutes, for nobody."""
+    building = "import functools, time; from engines.engine_process import EngineProcess; " \
+               "EngineProcess(functools.partial(time.sleep, 120))"
+    worker = subprocess.Popen([sys.executable, "-c", building], env={**os.environ, "PYTHONPATH": python_path()})
+    try:
+        deadline = time.monotonic() + 30
+        while not children(worker.pid):
+            assert time.monotonic() < deadline, "the engine process did not start"
+            time.sleep(0.05)
+        time.sleep(0.5)  # past the tie, into the build
+        engine = children(worker.pid)
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in engine):
+        assert time.monotonic() < deadline, "the engine process outlived its worker"
+        time.sleep(0.05)
+
+
+def test_a_process_whose_parent_is_already_gone_exits_at_the_tie() -> None:
+    tied = subprocess.run([sys.executable, "-c", "from slogate.tether import tie_to_parent; tie_to_parent(1); "
+                                                 "print('survived')"],
+                          env={**os.environ, "PYTHONPATH": python_path()}, capture_output=True, text=True, timeout=30)
+    assert tied.returncode == 1 and "survived" not in tied.stdout

@@ -134,6 +134,9 @@ def test_a_stack_dies_with_up_killed_outright_and_no_second_up_takes_its_place(t
         while any(alive(pid) for pid in kids):
             assert time.monotonic() < deadline, "the stack outlived its supervisor"
             time.sleep(0.1)
+    export = subprocess.run([sys.executable, "-m", "slogate.cli", "audit-export"], env=up_env(tmp_path),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert export.returncode == 0, "the dead stack's Redis URL, left in its state directory, is not trusted"
 
 
 def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
