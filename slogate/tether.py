@@ -24,11 +24,11 @@ def _prctl() -> Callable[..., int] | None:
         return None
 
 
-def tie_to_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+def tie_to_parent(parent: int, sig: int = signal.SIGKILL, prctl: Callable[..., int] | None = None) -> None:
     """Have this process sent ``sig`` when its parent (pid ``parent``) dies, however it dies;
     if it is gone already, exit now. Nothing where the kernel offers no such thing. The kernel
     ties it to the parent's thread that started this process: start it from the main thread."""
-    prctl = _prctl()
+    prctl = prctl or _prctl()
     if prctl is None:
         return
     prctl(_PR_SET_PDEATHSIG, int(sig))
@@ -38,8 +38,11 @@ def tie_to_parent(parent: int, sig: int = signal.SIGKILL) -> None:
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A ``preexec_fn`` for :class:`subprocess.Popen`: :func:`tie_to_parent` in the child,
-    before it runs the new program; None where there is no such tie (not Linux)."""
-    if _prctl() is None:
+    before it runs the new program; None where there is no such tie (not Linux). The library
+    is looked up here, not in the child, which between fork and exec should do as little as it
+    can."""
+    prctl = _prctl()
+    if prctl is None:
         return None
     parent = os.getpid()
-    return lambda: tie_to_parent(parent, sig)
+    return lambda: tie_to_parent(parent, sig, prctl)

@@ -35,14 +35,13 @@ CANNOT_START = 2
 
 
 def _tiny_model(state_dir: Path) -> str:
+    """Built by a process of its own: torch's threads would stay in this one, and a process
+    with threads cannot safely run the tether (:mod:`slogate.tether`) as it starts the stack."""
     target = state_dir / "models" / "tiny"
     if not (target / "config.json").exists():
-        from engines.registry import quiet_model_loading
-        from engines.runtime.tiny_model import build_tiny_model
-
-        quiet_model_loading()
         log.info("building the tiny model under %s (first run only)", target)
-        build_tiny_model(target)
+        subprocess.run([sys.executable, "-m", "slogate.cli", "tiny-model", str(target)], check=True,
+                       stdout=subprocess.DEVNULL)
     return str(target)
 
 
