@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
 import pytest
@@ -102,17 +103,23 @@ async def test_a_drain_wakes_requests_waiting_behind_others_at_once() -> None:
     assert not state.holds
 
 
-async def test_held_requests_go_in_the_order_they_came() -> None:
-    """The younger one's timer fires first after the load falls; before the line, it went first."""
-    deadline = time.time() + 30
-    controller = Until(retry_s=0.3)
-    state = held_state(controller)
+def in_order(state: SimpleNamespace, deadline: float) -> tuple[list[str], Callable[[str], Awaitable[None]]]:
+    """The order in which requests are let go, and how to send one by name."""
     order: list[str] = []
 
     async def ask(name: str) -> None:
         await admit(state, PARSED, "batch", deadline)
         order.append(name)
 
+    return order, ask
+
+
+async def test_held_requests_go_in_the_order_they_came() -> None:
+    """The younger one's timer fires first after the load falls; before the line, it went first."""
+    deadline = time.time() + 30
+    controller = Until(retry_s=0.3)
+    state = held_state(controller)
+    order, ask = in_order(state, deadline)
     older = asyncio.create_task(ask("older"))
     await asyncio.sleep(0.15)
     younger = asyncio.create_task(ask("younger"))
@@ -130,12 +137,7 @@ async def test_a_request_that_comes_while_others_are_held_goes_after_them() -> N
     deadline = time.time() + 60
     controller = Until(retry_s=30.0)
     state = held_state(controller)
-    order: list[str] = []
-
-    async def ask(name: str) -> None:
-        await admit(state, PARSED, "batch", deadline)
-        order.append(name)
-
+    order, ask = in_order(state, deadline)
     older = asyncio.create_task(ask("older"))
     await asyncio.sleep(0.05)
     controller.go = True

@@ -24,7 +24,7 @@ from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
 from slogate.processes import python_path
 from slogate.protocol import Delta, Final, GenerateRequest, SamplingParams
-from tests.e2e.test_up import alive, children
+from tests.e2e.test_up import children, wait_gone
 
 REPLIES = keys.replies("test-engine-process")
 PROMPTS = {"en": "The gateway accepts", "zh": "你好，世界。 🚀 launch", "digits": "0 1 2"}
@@ -162,10 +162,7 @@ def test_an_engine_process_dies_with_its_worker_even_while_it_builds() -> None:
     finally:
         worker.kill()
         worker.wait()
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in engine):
-        assert time.monotonic() < deadline, "the engine process outlived its worker"
-        time.sleep(0.05)
+    wait_gone(engine, 10, "the engine process outlived its worker")
 
 
 def test_a_process_whose_parent_is_already_gone_exits_at_the_tie() -> None:

@@ -33,6 +33,13 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
+def wait_gone(pids: set[int], timeout: float, why: str) -> None:
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
 def up_env(tmp_path: Path, log_level: str = "WARNING") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOGATE_")}
     env.update(SLOGATE_STATE_DIR=str(tmp_path / "state"), SLOGATE_LOG_LEVEL=log_level, PYTHONPATH=python_path())
@@ -130,10 +137,7 @@ def test_a_stack_dies_with_up_killed_outright_and_no_second_up_takes_its_place(t
         assert "slogate is ready" not in same_port.stderr
         up.kill()
         up.wait()
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in kids):
-            assert time.monotonic() < deadline, "the stack outlived its supervisor"
-            time.sleep(0.1)
+        wait_gone(kids, 30, "the stack outlived its supervisor")
     export = subprocess.run([sys.executable, "-m", "slogate.cli", "audit-export"], env=up_env(tmp_path),
                             cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert export.returncode == 0, "the dead stack's Redis URL, left in its state directory, is not trusted"
