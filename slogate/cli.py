@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from slogate import logs
-from slogate.config import DEFAULT_REDIS_URL, Config, ConfigError, load_config, redacted
+from slogate.config import DEFAULT_REDIS_URL, Config, ConfigError, load_config, redacted, unknown_variables
 from slogate.up import CANNOT_START
 
 
@@ -204,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, overrides=overrides)
         logs.setup(cfg.log_level, cfg.log_format)
+        for name in unknown_variables():
+            logging.getLogger("slogate").warning("%s is not a setting slogate knows; ignored", name)
         args.func(args, cfg)
     except ConfigError as exc:
         print(f"slogate: configuration error: {exc}", file=sys.stderr)

@@ -172,6 +172,19 @@ def load_config(path: str | Path | None = None, env: dict[str, str] | None = Non
     return cfg
 
 
+OTHER_VARIABLES = frozenset({"SLOGATE_CONFIG", "SLOGATE_PAGED_KERNEL", "SLOGATE_TRACE_FILE", "SLOGATE_TEST_DEVICE",
+                             "SLOGATE_WORKLOAD", "SLOGATE_MODEL_NAME"})
+"""``SLOGATE_*`` variables that are not configuration keys but are read elsewhere."""
+
+
+def unknown_variables(env: dict[str, str] | None = None) -> list[str]:
+    """``SLOGATE_*`` variables that nothing reads: a misspelt one (``SLOGATE_PORTT``) would
+    otherwise leave its setting at the default without a word."""
+    env = os.environ if env is None else env
+    known = {f"SLOGATE_{name.upper()}" for name in _scalar_fields()} | OTHER_VARIABLES
+    return sorted(name for name in env if name.startswith("SLOGATE_") and name not in known)
+
+
 def _scalar_fields() -> dict[str, type]:
     fields = {}
     for f in msgspec.structs.fields(Config):

@@ -1,6 +1,6 @@
 import pytest
 
-from slogate.config import ConfigError, load_config, redacted
+from slogate.config import ConfigError, load_config, redacted, unknown_variables
 
 
 def test_defaults() -> None:
@@ -78,3 +78,8 @@ def test_a_key_s_stream_count_outlives_the_longest_stream() -> None:
 
     assert _longest_stream_s(load_config(env={"SLOGATE_MAX_TIMEOUT_S": "60"})) == 3600
     assert _longest_stream_s(load_config(env={"SLOGATE_MAX_TIMEOUT_S": "7200"})) == 7200
+
+
+def test_slogate_variables_nothing_reads_are_named() -> None:
+    env = {"SLOGATE_PORTT": "1", "SLOGATE_PORT": "9000", "SLOGATE_WORKLOAD": "w.jsonl", "OTHER": "x"}
+    assert unknown_variables(env) == ["SLOGATE_PORTT"]
