@@ -40,8 +40,10 @@ def _tiny_model(state_dir: Path) -> str:
     target = state_dir / "models" / "tiny"
     if not (target / "config.json").exists():
         log.info("building the tiny model under %s (first run only)", target)
-        subprocess.run([sys.executable, "-m", "slogate.cli", "tiny-model", str(target)], check=True,
-                       stdout=subprocess.DEVNULL)
+        built = subprocess.run([sys.executable, "-m", "slogate.cli", "tiny-model", str(target)],
+                               stdout=subprocess.DEVNULL)
+        if built.returncode != 0:  # its reason is above, on stderr
+            raise RuntimeError(f"building the tiny model under {target} failed (exit code {built.returncode})")
     return str(target)
 
 
