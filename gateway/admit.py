@@ -44,8 +44,9 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     A batch request told to wait (interactive load is high on a pool it would share) is held
     here, before it costs any engine work, in the gateway's line of held requests
     (:mod:`gateway.holds`): asked about again in its turn until it may go or its deadline
-    passes. One that comes while others are held joins the line's end without asking (asking,
-    it could go before them), and the first in the line asks at once. A full line sheds it.
+    passes. One that comes while others are held, for a pool they wait for, joins the line's end
+    (it would otherwise go before them) and the first in the line asks at once; one for another
+    pool, or refused, is answered at once. A full line sheds it.
     """
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
@@ -54,9 +55,6 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
     turn = None
     sent_at = time.time()
-    if cls == "batch" and state.holds:
-        turn = _join(state, parsed, cls, "behind-held")
-        state.holds.wake_first()
     try:
         while True:
             now = time.time()
@@ -65,12 +63,14 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
                 decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
                                       max_tokens=max_tokens, signals=state.directory.signals(), now=now,
                                       model=parsed.model, deadline=deadline if cls == "batch" else None,
-                                      sent_at=sent_at)
+                                      sent_at=sent_at, behind_held=turn is None and bool(state.holds))
                 if decision.outcome != "wait":
                     state.metrics.decided(cls, decision.outcome, decision.reason)
                     break
                 if turn is None:
                     turn = _join(state, parsed, cls, decision.reason)
+                    if decision.reason == "behind-held":  # the load may have fallen: the first asks now
+                        state.holds.wake_first()
                 pause = min(decision.retry_after_s, pause)  # asked again by its deadline, which says 504
             turn.clear()
             with contextlib.suppress(TimeoutError):

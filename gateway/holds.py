@@ -2,9 +2,10 @@
 
 They all wait for the same thing, the interactive load on the pools they would share to fall,
 so they go in the order they came: only the oldest asks the admission controller again, and
-when it goes the next one asks at once; a batch request that comes while the line is not empty
-joins its end without asking. Asking each on its own timer, or letting newcomers ask, let a
-request that came later go first whenever the load dipped between the older ones' looks.
+when it goes the next one asks at once; a batch request that comes while the line is not empty,
+for a pool the line waits for, joins its end (``behind-held``) rather than going. Asking each on
+its own timer, or letting newcomers go, let a request that came later go first whenever the load
+dipped between the older ones' looks.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class HoldLine:
             self._line[0].set()
 
     def wake_first(self) -> None:
-        """Have the first ask again now: one that came later joined behind it without asking."""
+        """Have the first ask again now: one that came later joined behind it."""
         if self._line:
             self._line[0].set()
 

@@ -99,12 +99,15 @@ class AdmissionController:
 
     def decide(self, *, cls: str, stream: bool, prompt_tokens: int, max_tokens: int | None,
                signals: Mapping[str, PoolSignals], now: float, model: str | None = None,
-               deadline: float | None = None, sent_at: float | None = None) -> Decision:
+               deadline: float | None = None, sent_at: float | None = None,
+               behind_held: bool = False) -> Decision:
         """Decide for one request. ``signals`` has every pool the gateway knows (queue depth
         from Redis, the live heartbeats); ``max_tokens=None`` is costed at the pool's learned
         mean output. A held-back batch request is asked about again with its ``deadline`` and
         when it was first asked (``sent_at``, ``now`` if not given): what it would take on an
-        idle pool is judged against the time it was given, not what holding it has left."""
+        idle pool is judged against the time it was given, not what holding it has left.
+        ``behind_held``: batch requests are held back already; one that would go to a pool they
+        wait for waits behind them ("behind-held") rather than going first."""
         own = self.cfg.routing.pools[cls]
         if max_tokens is None:
             max_tokens = round(self.estimate(own[0]).completion_tokens)
@@ -117,7 +120,7 @@ class AdmissionController:
                 return self._unavailable(own, signals, now)
             return self._interactive(route, budget, stream, now)
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline,
-                           now if sent_at is None else sent_at)
+                           now if sent_at is None else sent_at, behind_held)
 
     def prompt_book(self, pool: str) -> PromptBook:
         book = self.prompts.get(pool)
@@ -156,7 +159,7 @@ class AdmissionController:
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
-               deadline: float | None, sent_at: float) -> Decision:
+               deadline: float | None, sent_at: float, behind_held: bool) -> Decision:
         target = self.cfg.objectives.batch
         if deadline is not None and now >= deadline:
             return Decision("expired", "deadline", 504)
@@ -185,6 +188,8 @@ class AdmissionController:
         # load that holds it back) is gone fits; if not, no wait helps.
         if deadline is not None and route is not None and route.prediction.hold_s > deadline - sent_at:
             return Decision("shed", "cannot-meet-deadline", 429, 0.0, predicted, pool, worker)
+        if pool in self._shared and behind_held:
+            return Decision("wait", "behind-held", 429, target.hold_retry_s, predicted, pool, worker)
         if pool in self._shared and self._interactive_load(signals) >= target.hold_load:
             return Decision("wait", "interactive-busy", 429, target.hold_retry_s, predicted, pool, worker)
         if deadline is not None and route is not None and now + predicted > deadline:

@@ -121,14 +121,14 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     if taken:
         log.error("cannot listen on port %d: %s; stop what listens there, or pass --port", cfg.port, taken)
         return CANNOT_START
+    if engine is None and not cfg.model and any(p.engine in REAL_ENGINES for p in cfg.pools.values()):
+        cfg.model = _tiny_model(state_dir)
     redis = None
     if not cfg.redis_url:
         redis = LocalRedis(private_redis_dir(cfg), persist=True, tethered=True).start()
         cfg.redis_url = redis.url
         (redis.state_dir / "url").write_text(redis.url)
         log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
-    if engine is None and not cfg.model and any(p.engine in REAL_ENGINES for p in cfg.pools.values()):
-        cfg.model = _tiny_model(state_dir)
     env = {**os.environ, "SLOGATE_REDIS_URL": cfg.redis_url}
     env.setdefault("OMP_NUM_THREADS", str(shared_core_threads(cfg)))
     if cfg.model:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
@@ -34,12 +35,18 @@ class Busy:
 
 
 class Until:
-    """Says "wait" (retry after ``retry_s``) until ``go`` is set, then admits whoever asks."""
+    """Says "wait" (retry after ``retry_s``) until ``go`` is set, then admits whoever asks, as
+    the real controller does for a pool shared with interactive work: one that comes while
+    others are held waits behind them. Model "other" is served by a pool nobody waits for."""
 
     def __init__(self, retry_s: float) -> None:
         self.retry_s, self.go = retry_s, False
 
-    def decide(self, **_) -> Decision:
+    def decide(self, *, model: str, behind_held: bool, **_) -> Decision:
+        if model == "other":
+            return Decision("admit", "queued", 200, pool="bulk")
+        if behind_held:
+            return Decision("wait", "behind-held", 429, self.retry_s, pool="batch")
         if self.go:
             return Decision("admit", "queued", 200, pool="batch")
         return Decision("wait", "interactive-busy", 429, self.retry_s, pool="batch")
@@ -145,6 +152,20 @@ async def test_a_request_that_comes_while_others_are_held_goes_after_them() -> N
     await asyncio.wait_for(asyncio.gather(older, newer), 10)  # the older one asks at once, not in 30 s
     assert order == ["older", "newer"]
     assert decisions(state, "wait") == 2 and decisions(state, "admit") == 2
+
+
+async def test_a_request_for_a_pool_nobody_waits_for_goes_at_once_while_others_are_held() -> None:
+    """Joining the line without asking, it waited behind the held ones, up to their deadlines."""
+    deadline = time.time() + 60
+    state = held_state(Until(retry_s=30.0))
+    held = asyncio.create_task(admit(state, PARSED, "batch", deadline))
+    await asyncio.sleep(0.05)
+    decision = await asyncio.wait_for(admit(state, dataclasses.replace(PARSED, model="other"), "batch", deadline),
+                                      10)
+    assert decision.pool == "bulk" and not held.done() and len(state.holds) == 1
+    held.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await held
 
 
 async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:

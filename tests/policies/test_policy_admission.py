@@ -109,6 +109,20 @@ def test_batch_waits_while_interactive_is_busy_on_shared_pools() -> None:
     assert (d.outcome, d.reason, d.status, d.retry_after_s) == ("wait", "interactive-busy", 429, 1.0)
 
 
+def test_batch_that_comes_while_others_are_held_waits_behind_them_for_a_shared_pool_only() -> None:
+    ctl = AdmissionController(CFG)
+    d = ctl.decide(cls="batch", stream=False, prompt_tokens=100, max_tokens=8, signals=signals(i_running=2),
+                   now=0.0, model="m", behind_held=True)
+    assert (d.outcome, d.reason, d.status, d.retry_after_s) == ("wait", "behind-held", 429, 1.0)
+    full = ctl.decide(cls="batch", stream=False, prompt_tokens=100, max_tokens=2000, signals=signals(b_depth=1009),
+                      now=0.0, model="m", behind_held=True)
+    assert full.reason == "batch-queue-full", "a refusal is answered at once, not after the line"
+    alone = AdmissionController(load({"routing": {"interactive_spill": []}}))
+    d = alone.decide(cls="batch", stream=False, prompt_tokens=100, max_tokens=8, signals=signals(i_running=2),
+                     now=0.0, model="m", behind_held=True)
+    assert d.admitted, "nothing holds back a pool interactive work does not use"
+
+
 def test_batch_is_not_held_when_it_shares_nothing_with_interactive() -> None:
     ctl = AdmissionController(load({"routing": {"interactive_spill": []}}))
     d = ask(ctl, signals(i_running=8, i_depth=50), cls="batch")
