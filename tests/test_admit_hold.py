@@ -140,7 +140,8 @@ async def test_held_requests_go_in_the_order_they_came() -> None:
 
 async def test_a_request_that_comes_while_others_are_held_goes_after_them() -> None:
     """The load falls; a newcomer asks before the older one's next look (half a minute away).
-    Asking, it went first; behind the line, it has the older one ask at once."""
+    Admitted on its own answer, it went first; told "behind-held", it joins the line's end and
+    has the older one ask at once."""
     deadline = time.time() + 60
     controller = Until(retry_s=30.0)
     state = held_state(controller)
