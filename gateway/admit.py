@@ -16,14 +16,11 @@ from gateway.schema import ParsedRequest
 from gateway.state import GatewayState
 from policies.admission import Decision
 
-CHARS_PER_TOKEN = 4
 
-
-def estimate_prompt_tokens(parsed: ParsedRequest) -> int:
-    """The gateway has no tokenizer (it must stay light); four characters a token is what
-    admission and rate limits need, and the worker reports the exact count afterwards."""
-    overhead = 4 * len(parsed.messages) if parsed.messages is not None else 0
-    return max(1, math.ceil(parsed.prompt_chars / CHARS_PER_TOKEN) + overhead)
+def estimate_prompt_tokens(state: GatewayState, parsed: ParsedRequest) -> int:
+    """From the prompt's characters at what the model's finished requests showed a token to be
+    (:mod:`policies.prompt_tokens`); the worker reports the exact count afterwards."""
+    return state.admission.prompt_tokens.estimate(parsed.model, parsed.prompt_chars, len(parsed.messages or ()))
 
 
 def retry_headers(seconds: float) -> dict[str, str]:
@@ -51,7 +48,7 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
     ctl = state.admission
-    prompt_tokens = estimate_prompt_tokens(parsed)
+    prompt_tokens = estimate_prompt_tokens(state, parsed)
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
     turn = None
     sent_at = time.time()
@@ -134,10 +131,11 @@ def _beyond_context(state: GatewayState, parsed: ParsedRequest) -> str | None:
     """What to say of a request too slow for interactive work that would not fit the model's
     context either: sent as batch it would only come back a 400, after a wait."""
     model = state.directory.view.models.get(parsed.model)
-    tokens = estimate_prompt_tokens(parsed)
+    tokens = estimate_prompt_tokens(state, parsed)
     if model is None or tokens + parsed.sampling.max_tokens < model.max_context:
         return None
-    return (f"besides, its prompt (about {tokens} tokens, at {CHARS_PER_TOKEN} characters a token) and max_tokens "
+    per_token = state.admission.prompt_tokens.chars_per_token(parsed.model)
+    return (f"besides, its prompt (about {tokens} tokens, at {per_token:.1f} characters a token) and max_tokens "
             f"likely exceed the model's context of {model.max_context} tokens: shorten the prompt")
 
 

@@ -176,6 +176,8 @@ def _export_fleet(state: GatewayState) -> None:
     for pool, est in state.admission.estimates.items():
         m.learned_cost.labels(pool, "prefill_per_token").set(est.prefill_s_per_token)
         m.learned_cost.labels(pool, "decode_per_token").set(est.decode_s_per_token)
+    for model, chars in state.admission.prompt_tokens.learned().items():
+        m.chars_per_token.labels(model).set(chars)
 
 
 def make_app(cfg: Config) -> web.Application:

@@ -257,7 +257,7 @@ def _classify(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller,
 
 async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.ParsedRequest) -> None:
     rpm, tpm = state.cfg.policies.rate_limits.for_key(caller.key_id)
-    tokens = estimate_prompt_tokens(parsed) + parsed.sampling.max_tokens
+    tokens = estimate_prompt_tokens(state, parsed) + parsed.sampling.max_tokens
     try:
         verdict = await state.limiter.check(caller.key_id, rpm, tpm, tokens)
     except (RedisError, OSError) as exc:
@@ -438,10 +438,12 @@ def _observe(job: _Job) -> None:
         m.ttft.observe(job.first_token_at - job.arrived)
         if rec.completion_tokens > 1:
             m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
+    job.state.admission.prompt_tokens.observe(job.parsed.model, job.parsed.prompt_chars,
+                                              len(job.parsed.messages or ()), rec.prompt_tokens)
     # From arrival, as the first token is: the gateway's own time before queueing is a wait,
     # not prefill, to what admission learns.
     job.state.admission.observe(
         pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
         completion_tokens=rec.completion_tokens,
         queue_wait_s=rec.queue_wait_s + job.gen.enqueued_at - job.arrived,
-        ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end)
+        ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, admitted_at=job.gen.enqueued_at)

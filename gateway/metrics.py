@@ -82,6 +82,9 @@ class GatewayMetrics:
         self.learned_cost = Gauge("slogate_admission_learned_cost_seconds",
                                   "Per-token costs admission learned from finished requests",
                                   ["pool", "phase"], registry=r)
+        self.chars_per_token = Gauge("slogate_admission_prompt_chars_per_token",
+                                     "Prompt characters a token, as learned from the workers' counts",
+                                     ["model"], registry=r)
 
     def series(self, cls: str, pool: str, model: str) -> RequestSeries:
         key = (cls, pool, model)

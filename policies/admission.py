@@ -26,6 +26,7 @@ from policies.config import PolicyConfig
 from policies.feedback import LatencyFeedback
 from policies.predict import PoolEstimate, PoolSignals, Prediction
 from policies.prompt_book import PromptBook
+from policies.prompt_tokens import PromptTokens
 from policies.routing import Route, pick
 
 Outcome = Literal["admit", "wait", "shed", "unavailable", "expired"]
@@ -73,6 +74,7 @@ class AdmissionController:
         self.feedback = LatencyFeedback(cfg.admission.feedback)
         self._last_heard: dict[str, float] = {}
         self.prompts: dict[str, PromptBook] = {}
+        self.prompt_tokens = PromptTokens()
         routing = cfg.routing
         interactive_may_use = set(routing.pools["interactive"]) | set(routing.interactive_spill)
         self._shared = set(routing.pools["batch"]) & interactive_may_use
@@ -243,15 +245,16 @@ class AdmissionController:
         return round(min(max(seconds, adm.min_retry_after_s), adm.max_retry_after_s), 3)
 
     def observe(self, *, pool: str, cls: str, stream: bool, prompt_tokens: int, completion_tokens: int,
-                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float) -> None:
-        """Report a request that finished on ``pool`` (from its Final record). Teaches the pool's
-        costs, counts as a success for its breaker and, for interactive work, feeds the loop."""
+                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float, admitted_at: float) -> None:
+        """Report a request that finished on ``pool`` (from its Final record) and was admitted at
+        ``admitted_at``. Teaches the pool's costs, counts as a success for its breaker and, for
+        interactive work, feeds the loop."""
         self.estimate(pool).observe(prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s,
                                     self.cfg.admission.estimator)
         self._last_heard[pool] = now
         self.breaker(pool).record_success(now)
         if cls == "interactive":
-            self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream))
+            self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream), admitted_at, now)
 
     def observe_failure(self, pool: str, now: float) -> None:
         """Report a request the pool failed (worker error, or no answer before the deadline).

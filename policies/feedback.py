@@ -1,14 +1,21 @@
 """Closing the loop: measured interactive latency moves a factor applied to every prediction.
 
 The predictor is a model, and models drift (a slower GPU, longer prompts than the priors, a
-Redis hop nobody counted). Rather than trust it, the gateway reports what admitted interactive
-requests actually took, as a fraction of their objective. Each full window gives one verdict:
-its quantile over 1 tightens (the factor grows, so fewer requests look admissible), under the
-headroom relaxes; the factor stays within bounds. The window restarts after each verdict, so
-a verdict judges only requests admitted under the current factor and one bad burst cannot
-tighten again and again while it ages out. It relaxes by more the further the quantile is under
-the headroom (up to the step it tightens by), so after a burst an idle pool opens up again
-within a few windows.
+Redis hop nobody counted, a host whose cores a burst of arrivals takes). Rather than trust it,
+the gateway reports what admitted interactive requests actually took, as a fraction of their
+objective. Each window gives one verdict: its quantile over 1 tightens (the factor grows, so
+fewer requests look admissible), under the headroom relaxes; the factor stays within bounds.
+
+A window that tightens does not wait to be full: once more requests in it were late than its
+quantile allows (3 of 200 for a P99), no later sample can bring its quantile back under 1, so
+the verdict is given at once. A burst that makes the requests it admitted late is answered
+within a few of them instead of after 200, which at the dozen a burst admits was never. Relaxing
+still takes a full window: only all of it shows the headroom.
+
+A verdict judges only requests admitted under the current factor: those admitted before the
+last verdict are left out, so one bad burst tightens once, not again and again while its
+requests finish. It relaxes by more the further the quantile is under the headroom (up to the
+step it tightens by), so after a burst an idle pool opens up again within a few windows.
 """
 
 from __future__ import annotations
@@ -24,16 +31,38 @@ class LatencyFeedback:
     cfg: Feedback
     factor: float = 1.0
     last_quantile: float | None = None
+    """The last verdict's window quantile; for a window cut short, the least it can be."""
     _ratios: list[float] = field(default_factory=list)
+    _late: list[float] = field(default_factory=list)
+    _since: float = -math.inf
 
-    def record(self, ratio: float) -> None:
-        """``ratio`` is measured latency / objective for one admitted interactive request."""
+    def record(self, ratio: float, admitted_at: float, now: float) -> None:
+        """``ratio`` is measured latency / objective for one interactive request admitted at
+        ``admitted_at`` and done at ``now`` (any clock, the same for both)."""
+        if admitted_at < self._since:
+            return
         self._ratios.append(ratio)
+        if ratio > 1.0:
+            self._late.append(ratio)
+            if len(self._late) > self._may_be_late():
+                self._verdict(min(self._late), now)
+                return
         if len(self._ratios) < self.cfg.samples:
             return
         ordered = sorted(self._ratios)
+        self._verdict(ordered[self._quantile_index()], now)
+
+    def _quantile_index(self) -> int:
+        return min(math.ceil(self.cfg.quantile * self.cfg.samples) - 1, self.cfg.samples - 1)
+
+    def _may_be_late(self) -> int:
+        """How many of a full window may be over the objective with its quantile still within."""
+        return self.cfg.samples - 1 - self._quantile_index()
+
+    def _verdict(self, q: float, now: float) -> None:
         self._ratios.clear()
-        q = ordered[min(math.ceil(self.cfg.quantile * len(ordered)) - 1, len(ordered) - 1)]
+        self._late.clear()
+        self._since = now
         self.last_quantile = q
         if q > 1.0:
             self.factor = min(self.factor * self.cfg.tighten, self.cfg.max_factor)

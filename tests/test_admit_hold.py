@@ -18,6 +18,7 @@ from gateway.schema import ParsedRequest
 from gateway.state import GatewayState
 from policies import config as policy_config
 from policies.admission import Decision
+from policies.prompt_tokens import PromptTokens
 from slogate.protocol import SamplingParams
 
 
@@ -26,6 +27,7 @@ class Busy:
 
     def __init__(self, retry_s: float, deadline: float) -> None:
         self.retry_s, self.deadline, self.asked = retry_s, deadline, 0
+        self.prompt_tokens = PromptTokens()
 
     def decide(self, *, now: float, **_) -> Decision:
         self.asked += 1
@@ -41,6 +43,7 @@ class Until:
 
     def __init__(self, retry_s: float) -> None:
         self.retry_s, self.go = retry_s, False
+        self.prompt_tokens = PromptTokens()
 
     def decide(self, *, model: str, behind_held: bool, **_) -> Decision:
         if model == "other":

@@ -87,3 +87,26 @@ async def test_a_model_served_only_by_the_other_class_says_where(tmp_path) -> No
     finally:
         stack.stop()
         server.stop()
+
+
+async def test_the_gateway_learns_how_many_characters_a_token_is(tmp_path) -> None:
+    """The sim counts two characters a token here; the gateway starts from four."""
+    server = LocalRedis(tmp_path / "redis").start()
+    stack = Stack(server.url, dict(FAST_FLEET))
+    try:
+        stack.gateway()
+        stack.worker("interactive", "sim", "chars_per_token=2", "decode_base_s=0.001")
+        stack.wait_models(MODEL)
+        for i in range(5):
+            body = {**SCORE, "messages": [{"role": "user", "content": f"score txn {i} " + "x" * 400}]}
+            status, answer, _ = await post(stack.url, body)
+            assert status == 200 and answer["usage"]["prompt_tokens"] == 208  # (412 + 4) / 2
+        async with aiohttp.ClientSession() as s:
+            async with s.get(stack.url + "/metrics") as r:
+                text = await r.text()
+        line = next(x for x in text.splitlines()
+                    if x.startswith(f'slogate_admission_prompt_chars_per_token{{model="{MODEL}"}}'))
+        assert 1.9 < float(line.split()[-1]) < 2.1
+    finally:
+        stack.stop()
+        server.stop()

@@ -106,7 +106,7 @@ def test_heartbeats_carry_engine_load(engines_stack) -> None:
 def test_a_prompt_the_gateway_guesses_too_long_is_served_when_it_fits(engines_stack) -> None:
     stack, model = engines_stack
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
-    # 9,000 characters: 2,250 tokens at the gateway's four characters a token, about 1,800 in fact.
+    # 9,000 characters: 2,250 tokens at the gateway's first guess of four characters a token, about 1,800 in fact.
     answer = client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user",
                                                                                  "content": "risk " * 1800}])
     assert answer.usage.prompt_tokens < 2048 < 9000 / 4

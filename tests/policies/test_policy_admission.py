@@ -208,19 +208,22 @@ def test_open_circuit_fails_fast_then_probes() -> None:
     assert probe.admitted and probe.pool == "interactive"
     assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open"
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2)
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2,
+                admitted_at=15.11)
     assert ask(ctl, only_interactive, now=15.3).admitted
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4)
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4,
+                admitted_at=15.31)
     assert ctl.breaker("interactive").state(15.5) == "closed"
 
 
-def report(ctl: AdmissionController, e2e_s: float, n: int) -> None:
-    # Reported against a pool no test request goes to, so only the feedback loop (global to the
-    # interactive class) changes, not the interactive pool's learned costs.
+def report(ctl: AdmissionController, e2e_s: float, n: int, at: float = 0.0) -> None:
+    """``n`` requests admitted at ``at``. Reported against a pool no test request goes to, so
+    only the feedback loop (global to the interactive class) changes, not the interactive pool's
+    learned costs."""
     for _ in range(n):
         ctl.observe(pool="elsewhere", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=e2e_s / 2, e2e_s=e2e_s, now=0.0)
+                    queue_wait_s=0.0, ttft_s=e2e_s / 2, e2e_s=e2e_s, now=at + e2e_s, admitted_at=at)
 
 
 def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
@@ -233,8 +236,8 @@ def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
     # Each asks after the one admitted before it should be done (its prompt no longer in the way).
     assert not ask(ctl, sig, max_tokens=11, now=0.13).admitted
     assert ask(ctl, sig, max_tokens=8, now=0.14).admitted
-    for _ in range(10):
-        report(ctl, e2e_s=0.05, n=CFG.admission.feedback.samples)
+    for i in range(10):
+        report(ctl, e2e_s=0.05, n=CFG.admission.feedback.samples, at=1.0 + i)
     assert ctl.feedback.factor < 0.8
     assert ask(ctl, sig, max_tokens=12, now=0.24).admitted
 
@@ -243,7 +246,8 @@ def test_batch_latencies_do_not_move_the_interactive_loop() -> None:
     ctl = AdmissionController(CFG)
     for _ in range(CFG.admission.feedback.samples):
         ctl.observe(pool="batch", cls="batch", stream=False, prompt_tokens=100, completion_tokens=500,
-                    queue_wait_s=30.0, ttft_s=31.0, e2e_s=60.0, now=0.0)
+                    queue_wait_s=30.0, ttft_s=31.0, e2e_s=60.0, now=60.0,
+                    admitted_at=0.0)
     assert ctl.feedback.factor == 1.0
 
 
@@ -254,7 +258,8 @@ def test_learned_costs_move_predictions() -> None:
     assert before.admitted
     for _ in range(CFG.admission.estimator.min_samples):  # the pool got five times slower per token
         ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.41, now=0.0)
+                    queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.41, now=0.41,
+                    admitted_at=0.0)
     after = ask(ctl, sig)
     assert after.predicted_s > 3 * before.predicted_s
     assert not after.admitted
@@ -284,7 +289,8 @@ def test_a_silent_shedding_pool_gets_one_probe_per_interval() -> None:
     assert not ask(ctl, overloaded, now=now + interval / 2).admitted
     assert ask(ctl, overloaded, now=now + interval).reason == "probe"
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval)
+                queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval,
+                admitted_at=now + 2 * interval - 0.05)
     assert not ask(ctl, overloaded, now=now + 2.5 * interval).admitted, "a pool just heard from is not probed"
 
 
@@ -308,7 +314,8 @@ def teach(ctl: AdmissionController) -> None:
     feedback stays out of it."""
     for _ in range(CFG.admission.estimator.min_samples):
         ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=0.0)
+                    queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=0.09,
+                    admitted_at=0.0)
 
 
 def test_an_unlearned_pool_takes_only_what_fits_its_free_slots() -> None:
@@ -378,7 +385,8 @@ def test_a_request_that_fits_an_idle_pool_is_shed_overloaded_with_a_retry() -> N
     sig = signals(i_running=0)
     for _ in range(CFG.admission.estimator.min_samples):  # under load, 30 ms a token was learned
         ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=0.04, e2e_s=0.25, now=0.0)
+                    queue_wait_s=0.0, ttft_s=0.04, e2e_s=0.25, now=0.25,
+                    admitted_at=0.0)
     score = ask(ctl, sig, now=0.1)  # 8 tokens: 240 ms now, 90 ms on the workers' own 10 ms step
     assert (score.outcome, score.reason) == ("shed", "overloaded") and score.retry_after_s > 0
     report = ask(ctl, sig, max_tokens=400, now=0.1)  # 4 s even on an idle pool
