@@ -21,6 +21,7 @@ import select
 import signal
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -50,9 +51,13 @@ class EngineProcess:
                  start_timeout_s: float = 900.0) -> None:
         """Start the process and wait until ``factory`` (a picklable callable, run there)
         has built the engine: a model that cannot load fails here, with the engine's reason.
-        Start it from the main thread: the process dies with the thread that started it.
+        Only from the main thread: the kernel ends the process when the thread that started it
+        ends (``tie_to_parent``), so one started from a passing thread would die with it.
         ``encoder``, run here meanwhile, gives what tokenizes requests in this process, beside
         the engine's steps; without it the engine tokenizes between two of them."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start an EngineProcess from the main thread: it would die with the thread "
+                               f"{threading.current_thread().name!r} that started it")
         ctx = multiprocessing.get_context("spawn")  # torch does not survive a fork after threads
         self._sock, child = socket.socketpair()
         self._proc = ctx.Process(target=_serve, args=(child, factory), name="engine", daemon=True)

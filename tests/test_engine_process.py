@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -144,6 +145,14 @@ def _no_tokenizer():
 def test_a_tokenizer_that_cannot_load_is_named_after_the_engine_builds() -> None:
     with pytest.raises(RuntimeError, match="cannot load the tokenizer: tokenizer.json is missing"):
         EngineProcess(partial(create_engine, "sim", None, {}), _no_tokenizer)
+
+
+def test_an_engine_process_is_refused_off_the_main_thread() -> None:
+    """It would be tied to the thread that started it, and end with it."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(EngineProcess, partial(create_engine, "sim", None, {}))
+        with pytest.raises(RuntimeError, match="from the main thread"):
+            future.result(timeout=30)
 
 
 def test_an_engine_process_dies_with_its_worker_even_while_it_builds() -> None:
