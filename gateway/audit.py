@@ -1,4 +1,5 @@
-"""The audit trail: one record per completion request, in a Redis stream of bounded length.
+"""The audit trail: one record per completion request, in a Redis stream of bounded length
+(about ``audit_max_entries`` records, however they were batched).
 
 It says who (API key id, never the secret), when, which model and class, what admission
 decided, tokens in and out and the outcome; never prompt or completion text. ``request_id`` is
@@ -38,10 +39,12 @@ RETRY_S = 1.0
 
 
 class AuditLog:
-    def __init__(self, batcher: CommandBatcher, max_entries: int, flush_s: float = 0.05,
+    def __init__(self, batcher: CommandBatcher, keep: int, flush_s: float = 0.05,
                  max_records: int = 256) -> None:
+        """``keep``: about how many records the stream holds; ``max_records``: the most one
+        entry holds."""
         self.batcher = batcher
-        self.max_entries = max_entries
+        self.keep = keep
         self.flush_s = flush_s
         self.max_records = max_records
         self._records: list[str] = []
@@ -92,7 +95,11 @@ class AuditLog:
         if not self._records:
             return None
         records, self._records = self._records, []
-        written = self.batcher.call("XADD", STREAM, "MAXLEN", "~", self.max_entries, "*", "e", "\n".join(records))
+        # The stream is trimmed by entries, and an entry holds what one flush gathered: from one
+        # record when idle to 256 under load. Bounding entries alone let the same setting keep
+        # 256 times more records (and Redis memory) at a high rate than at a low one.
+        entries = max(1, -(-self.keep // len(records)))
+        written = self.batcher.call("XADD", STREAM, "MAXLEN", "~", entries, "*", "e", "\n".join(records))
         written.add_done_callback(lambda fut: self._keep_unwritten(fut, records))
         return written
 

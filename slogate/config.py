@@ -105,9 +105,9 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     a cancel flag its request's deadline."""
     worker_poll_s: float = 0.5
     """How often the gateway refreshes its view of worker heartbeats."""
-    audit_max_entries: int = 100_000
-    """Audit stream entries kept in Redis, each a batch of up to 256 records written together
-    (older ones are trimmed); export them with audit-export."""
+    audit_max_entries: int = 1_000_000
+    """Audit records kept in Redis, about (older ones are trimmed; a record is about 300 bytes
+    of Redis memory); export them with audit-export."""
     log_level: str = "INFO"
     log_format: str = "json"
     """json (one object a line, with request and trace ids) or text."""
