@@ -14,14 +14,15 @@ from redis.exceptions import RedisError
 
 from gateway import openai_shapes as shapes
 from gateway import schema
-from gateway.admit import admit, estimate_prompt_tokens, retry_headers
+from gateway.admit import admit, retry_headers
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.relay import Relay, SplicedOutput
 from gateway.results import QUIET, Subscription
 from gateway.state import STATE, GatewayState
-from policies.admission import deadline_for
+from policies.admission import Decision, deadline_for
 from policies.classify import UnknownClass, classify
+from policies.prompt_tokens import prior_estimate
 from slogate import keys, protocol, tracing
 from slogate.config import Config
 from slogate.protocol import Delta, Error, Final, GenerateRequest
@@ -40,6 +41,8 @@ class _Job:
     sub: Subscription
     arrived: float
     headers: dict[str, str]
+    epoch: int
+    """The feedback loop's verdicts when it was admitted (``Decision.epoch``)."""
     first_token_at: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -124,25 +127,25 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
     try:
         if not parsed.stream:
-            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
-                              deadline)
+            return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
         async with _stream_slot(state, caller.key_id, deadline):
-            return await _run(request, state, parsed, cls, reason, decision.pool, decision.reason, arrived,
-                              deadline)
+            return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
     finally:
         state.directory.own.end(decision.pool, slot)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
-               reason: str, pool: str, admission: str, arrived: float, deadline: float) -> web.StreamResponse:
+               reason: str, decision: Decision, arrived: float, deadline: float) -> web.StreamResponse:
     request_id = os.urandom(16).hex()
+    pool = decision.pool
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=time.time(), reply=state.mux.key, prompt=parsed.prompt,
         messages=parsed.messages, stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive)
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
-               "x-slogate-admission": admission}
-    job = _Job(state, parsed, gen, state.mux.subscribe(request_id, parsed.stream, pool), arrived, headers)
+               "x-slogate-admission": decision.reason}
+    job = _Job(state, parsed, gen, state.mux.subscribe(request_id, parsed.stream, pool), arrived, headers,
+               decision.epoch)
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1
@@ -257,7 +260,7 @@ def _classify(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller,
 
 async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.ParsedRequest) -> None:
     rpm, tpm = state.cfg.policies.rate_limits.for_key(caller.key_id)
-    tokens = estimate_prompt_tokens(state, parsed) + parsed.sampling.max_tokens
+    tokens = prior_estimate(parsed.prompt_chars, len(parsed.messages or ())) + parsed.sampling.max_tokens
     try:
         verdict = await state.limiter.check(caller.key_id, rpm, tpm, tokens)
     except (RedisError, OSError) as exc:
@@ -428,6 +431,10 @@ def _observe(job: _Job) -> None:
                 m.missed.inc()
         if job.status >= 500 and job.status != 504 and job.outcome not in NOT_THE_POOLS_FAULT:
             job.state.admission.observe_failure(job.gen.pool, end)
+        if job.status == 504:
+            latency = (job.first_token_at or end) - job.arrived if job.parsed.stream else e2e
+            job.state.admission.observe_expired(cls=job.gen.cls, stream=job.parsed.stream, latency_s=latency,
+                                                epoch=job.epoch)
         return
     m.e2e.observe(e2e)
     m.queue_wait.observe(rec.queue_wait_s)
@@ -446,4 +453,4 @@ def _observe(job: _Job) -> None:
         pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
         completion_tokens=rec.completion_tokens,
         queue_wait_s=rec.queue_wait_s + job.gen.enqueued_at - job.arrived,
-        ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, admitted_at=job.gen.enqueued_at)
+        ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, epoch=job.epoch)

@@ -49,6 +49,9 @@ class Decision:
     busy_until: float | None = None
     """When an admitted request's slot should free (predicted wait + the whole answer); the
     gateway keeps it while the request is in flight (:class:`policies.inflight.InFlight`)."""
+    epoch: int = 0
+    """The feedback loop's verdicts when it was admitted: its answer is judged under them
+    (:meth:`AdmissionController.observe`)."""
 
     @property
     def admitted(self) -> bool:
@@ -157,7 +160,7 @@ class AdmissionController:
         self.breaker(route.pool).acquire(now)
         self.prompt_book(route.pool).book(pred.prompt_share_s, now, pred.priced_share)
         return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
-                        now + pred.wait_s + pred.hold_s)
+                        now + pred.wait_s + pred.hold_s, self.feedback.epoch)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
@@ -245,16 +248,27 @@ class AdmissionController:
         return round(min(max(seconds, adm.min_retry_after_s), adm.max_retry_after_s), 3)
 
     def observe(self, *, pool: str, cls: str, stream: bool, prompt_tokens: int, completion_tokens: int,
-                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float, admitted_at: float) -> None:
-        """Report a request that finished on ``pool`` (from its Final record) and was admitted at
-        ``admitted_at``. Teaches the pool's costs, counts as a success for its breaker and, for
+                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float, epoch: int) -> None:
+        """Report a request that finished on ``pool`` (from its Final record); ``epoch`` is its
+        decision's. Teaches the pool's costs, counts as a success for its breaker and, for
         interactive work, feeds the loop."""
         self.estimate(pool).observe(prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s,
                                     self.cfg.admission.estimator)
         self._last_heard[pool] = now
         self.breaker(pool).record_success(now)
         if cls == "interactive":
-            self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream), admitted_at, now)
+            self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream), epoch)
+
+    def observe_expired(self, *, cls: str, stream: bool, latency_s: float, epoch: int) -> None:
+        """Report a request whose deadline passed before it finished (a 504), with its latency
+        as the objective measures it (so far, if its first token never came). Interactive work
+        that ran past its objective is late and tells the loop so; one whose client allowed it
+        less than the objective says nothing of whether it would have been, and is left out, as
+        it is from the breaker: a client asking for too little time must not tighten admission
+        or trip a pool for everyone."""
+        ratio = latency_s / self.objective(stream)
+        if cls == "interactive" and ratio > 1.0:
+            self.feedback.record(ratio, epoch)
 
     def observe_failure(self, pool: str, now: float) -> None:
         """Report a request the pool failed (worker error, or no answer before the deadline).

@@ -12,9 +12,11 @@ the verdict is given at once. A burst that makes the requests it admitted late i
 within a few of them instead of after 200, which at the dozen a burst admits was never. Relaxing
 still takes a full window: only all of it shows the headroom.
 
-A verdict judges only requests admitted under the current factor: those admitted before the
-last verdict are left out, so one bad burst tightens once, not again and again while its
-requests finish. It relaxes by more the further the quantile is under the headroom (up to the
+A verdict judges only requests admitted under the current factor: each admitted request
+carries the number of verdicts given when it was admitted (``epoch``), and answers from an
+earlier epoch are left out, so one bad burst tightens once, not again and again while its
+requests finish. A count, not a time: a clock stepped back would leave every answer looking
+admitted before the last verdict. It relaxes by more the further the quantile is under the headroom (up to the
 step it tightens by), so after a burst an idle pool opens up again within a few windows.
 """
 
@@ -32,25 +34,26 @@ class LatencyFeedback:
     factor: float = 1.0
     last_quantile: float | None = None
     """The last verdict's window quantile; for a window cut short, the least it can be."""
+    epoch: int = 0
+    """Verdicts given so far."""
     _ratios: list[float] = field(default_factory=list)
     _late: list[float] = field(default_factory=list)
-    _since: float = -math.inf
 
-    def record(self, ratio: float, admitted_at: float, now: float) -> None:
-        """``ratio`` is measured latency / objective for one interactive request admitted at
-        ``admitted_at`` and done at ``now`` (any clock, the same for both)."""
-        if admitted_at < self._since:
+    def record(self, ratio: float, epoch: int) -> None:
+        """``ratio`` is measured latency / objective for one interactive request admitted when
+        :attr:`epoch` was ``epoch``."""
+        if epoch != self.epoch:
             return
         self._ratios.append(ratio)
         if ratio > 1.0:
             self._late.append(ratio)
             if len(self._late) > self._may_be_late():
-                self._verdict(min(self._late), now)
+                self._verdict(min(self._late))
                 return
         if len(self._ratios) < self.cfg.samples:
             return
         ordered = sorted(self._ratios)
-        self._verdict(ordered[self._quantile_index()], now)
+        self._verdict(ordered[self._quantile_index()])
 
     def _quantile_index(self) -> int:
         return min(math.ceil(self.cfg.quantile * self.cfg.samples) - 1, self.cfg.samples - 1)
@@ -59,10 +62,10 @@ class LatencyFeedback:
         """How many of a full window may be over the objective with its quantile still within."""
         return self.cfg.samples - 1 - self._quantile_index()
 
-    def _verdict(self, q: float, now: float) -> None:
+    def _verdict(self, q: float) -> None:
         self._ratios.clear()
         self._late.clear()
-        self._since = now
+        self.epoch += 1
         self.last_quantile = q
         if q > 1.0:
             self.factor = min(self.factor * self.cfg.tighten, self.cfg.max_factor)

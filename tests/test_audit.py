@@ -6,7 +6,6 @@ import asyncio
 import json
 import time
 
-import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -24,8 +23,7 @@ async def test_records_redis_did_not_take_are_sent_again_once_it_is_back(own_red
     audit = AuditLog(CommandBatcher(client), keep=100, flush_s=10)
     audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.stop()
-    with pytest.raises((RedisError, OSError)):
-        await audit.flush()
+    assert all(isinstance(r, (RedisError, OSError)) for r in await audit.flush())
     assert caplog.text.count("audit records could not be written") == 1
     audit.write("b", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.start()
@@ -46,28 +44,29 @@ async def test_what_is_kept_through_an_outage_is_bounded(own_redis: LocalRedis, 
         await asyncio.sleep(0.01)
     pending = audit.flush()
     if pending is not None:
-        with pytest.raises((RedisError, OSError)):
-            await pending
+        assert all(isinstance(r, (RedisError, OSError)) for r in await pending)
     assert len(audit._records) == KEEP_UNWRITTEN * 2, "the oldest beyond the bound are dropped"
     assert audit._records[-1].find('"r41"') > 0 and "dropped" in caplog.text
     await client.aclose()
 
 
 async def test_the_trail_keeps_about_as_many_records_however_they_were_batched(redis_url: str) -> None:
-    """An entry holds what one flush gathered; a busy gateway's entries hold hundreds, and a
-    bound on entries alone would keep that many times more records."""
+    """Records are trimmed one by one: a busy flush after a quiet spell must not take the quiet
+    spell's records with it, nor a quiet spell keep a busy one's many times over."""
     client = aioredis.Redis.from_url(redis_url)
     await client.delete(STREAM)
-    audit = AuditLog(CommandBatcher(client), keep=1000, flush_s=10, max_records=100)
-    for i in range(300 * 100):  # every 100th record fills an entry, which is written at once
-        audit.write(f"r{i}", time.time(), 200, {"key": "k", "model": "m"})
-        if i % 100 == 99:
-            await asyncio.sleep(0)
-    deadline = time.monotonic() + 10
-    while not (last := await client.xrevrange(STREAM, count=1)) or written(last)[-1] != "r29999":
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    entries = await client.xlen(STREAM)
-    assert entries <= 1000 // 100 + 100, "trimmed to about 10 entries (Redis trims whole nodes of 100)"
+    audit = AuditLog(CommandBatcher(client), keep=1000, flush_s=10, max_records=500)
+    for i in range(2000):
+        audit.write(f"quiet{i}", time.time(), 200, {"key": "k", "model": "m"})
+        await audit.flush()
+    kept = written(await client.xrange(STREAM))
+    assert 1000 <= len(kept) <= 1100, "Redis trims whole nodes of up to 100 entries"
+    assert kept[-1] == "quiet1999"
+    for i in range(400):
+        audit.write(f"busy{i}", time.time(), 200, {"key": "k", "model": "m"})
+    await audit.flush()
+    kept = written(await client.xrange(STREAM))
+    assert 1000 <= len(kept) <= 1100
+    assert kept[-1] == "busy399" and sum(r.startswith("quiet") for r in kept) >= 600
     await client.delete(STREAM)
     await client.aclose()

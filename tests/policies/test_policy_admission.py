@@ -208,22 +208,21 @@ def test_open_circuit_fails_fast_then_probes() -> None:
     assert probe.admitted and probe.pool == "interactive"
     assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open"
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2,
-                admitted_at=15.11)
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2, epoch=0)
     assert ask(ctl, only_interactive, now=15.3).admitted
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4,
-                admitted_at=15.31)
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4, epoch=0)
     assert ctl.breaker("interactive").state(15.5) == "closed"
 
 
-def report(ctl: AdmissionController, e2e_s: float, n: int, at: float = 0.0) -> None:
-    """``n`` requests admitted at ``at``. Reported against a pool no test request goes to, so
-    only the feedback loop (global to the interactive class) changes, not the interactive pool's
-    learned costs."""
+def report(ctl: AdmissionController, e2e_s: float, n: int) -> None:
+    """``n`` requests admitted together, now. Reported against a pool no test request goes to,
+    so only the feedback loop (global to the interactive class) changes, not the interactive
+    pool's learned costs."""
+    epoch = ctl.feedback.epoch
     for _ in range(n):
         ctl.observe(pool="elsewhere", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=e2e_s / 2, e2e_s=e2e_s, now=at + e2e_s, admitted_at=at)
+                    queue_wait_s=0.0, ttft_s=e2e_s / 2, e2e_s=e2e_s, now=0.0, epoch=epoch)
 
 
 def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
@@ -236,18 +235,29 @@ def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
     # Each asks after the one admitted before it should be done (its prompt no longer in the way).
     assert not ask(ctl, sig, max_tokens=11, now=0.13).admitted
     assert ask(ctl, sig, max_tokens=8, now=0.14).admitted
-    for i in range(10):
-        report(ctl, e2e_s=0.05, n=CFG.admission.feedback.samples, at=1.0 + i)
+    for _ in range(10):
+        report(ctl, e2e_s=0.05, n=CFG.admission.feedback.samples)
     assert ctl.feedback.factor < 0.8
     assert ask(ctl, sig, max_tokens=12, now=0.24).admitted
+
+
+def test_interactive_answers_that_ran_out_of_time_past_the_objective_count_as_late() -> None:
+    ctl = AdmissionController(CFG)
+    for _ in range(10):  # clients that allowed less than the objective: nothing is known
+        ctl.observe_expired(cls="interactive", stream=False, latency_s=0.05, epoch=0)
+    for _ in range(10):
+        ctl.observe_expired(cls="batch", stream=False, latency_s=30.0, epoch=0)
+    assert ctl.feedback.factor == 1.0
+    for _ in range(3):  # past the objective: 3 in a window of 200 put its P99 over
+        ctl.observe_expired(cls="interactive", stream=True, latency_s=0.4, epoch=0)
+    assert ctl.feedback.factor == pytest.approx(1.25)
 
 
 def test_batch_latencies_do_not_move_the_interactive_loop() -> None:
     ctl = AdmissionController(CFG)
     for _ in range(CFG.admission.feedback.samples):
         ctl.observe(pool="batch", cls="batch", stream=False, prompt_tokens=100, completion_tokens=500,
-                    queue_wait_s=30.0, ttft_s=31.0, e2e_s=60.0, now=60.0,
-                    admitted_at=0.0)
+                    queue_wait_s=30.0, ttft_s=31.0, e2e_s=60.0, now=60.0, epoch=0)
     assert ctl.feedback.factor == 1.0
 
 
@@ -258,8 +268,7 @@ def test_learned_costs_move_predictions() -> None:
     assert before.admitted
     for _ in range(CFG.admission.estimator.min_samples):  # the pool got five times slower per token
         ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.41, now=0.41,
-                    admitted_at=0.0)
+                    queue_wait_s=0.0, ttft_s=0.06, e2e_s=0.41, now=0.41, epoch=0)
     after = ask(ctl, sig)
     assert after.predicted_s > 3 * before.predicted_s
     assert not after.admitted
@@ -289,8 +298,7 @@ def test_a_silent_shedding_pool_gets_one_probe_per_interval() -> None:
     assert not ask(ctl, overloaded, now=now + interval / 2).admitted
     assert ask(ctl, overloaded, now=now + interval).reason == "probe"
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval,
-                admitted_at=now + 2 * interval - 0.05)
+                queue_wait_s=0.0, ttft_s=0.01, e2e_s=0.05, now=now + 2 * interval, epoch=0)
     assert not ask(ctl, overloaded, now=now + 2.5 * interval).admitted, "a pool just heard from is not probed"
 
 
@@ -314,8 +322,7 @@ def teach(ctl: AdmissionController) -> None:
     feedback stays out of it."""
     for _ in range(CFG.admission.estimator.min_samples):
         ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=0.09,
-                    admitted_at=0.0)
+                    queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=0.09, epoch=0)
 
 
 def test_an_unlearned_pool_takes_only_what_fits_its_free_slots() -> None:
@@ -385,8 +392,7 @@ def test_a_request_that_fits_an_idle_pool_is_shed_overloaded_with_a_retry() -> N
     sig = signals(i_running=0)
     for _ in range(CFG.admission.estimator.min_samples):  # under load, 30 ms a token was learned
         ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                    queue_wait_s=0.0, ttft_s=0.04, e2e_s=0.25, now=0.25,
-                    admitted_at=0.0)
+                    queue_wait_s=0.0, ttft_s=0.04, e2e_s=0.25, now=0.25, epoch=0)
     score = ask(ctl, sig, now=0.1)  # 8 tokens: 240 ms now, 90 ms on the workers' own 10 ms step
     assert (score.outcome, score.reason) == ("shed", "overloaded") and score.retry_after_s > 0
     report = ask(ctl, sig, max_tokens=400, now=0.1)  # 4 s even on an idle pool

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from policies.config import load
@@ -9,14 +7,13 @@ from policies.feedback import LatencyFeedback
 
 CFG = load({"admission": {"feedback": {"samples": 100, "tighten": 1.5, "relax": 1.1, "headroom": 0.7,
                                        "min_factor": 0.8, "max_factor": 3.0}}}).admission.feedback
-TIMES = itertools.count(0.0, 10.0)
-"""When each window's requests are admitted: after every earlier one finished."""
 
 
 def window(fb: LatencyFeedback, ratio: float, late: int = 0, late_ratio: float = 2.0) -> None:
-    at = next(TIMES)
+    """A window's worth of requests admitted together, the late ones answered first."""
+    epoch = fb.epoch
     for i in range(CFG.samples):
-        fb.record(late_ratio if i < late else ratio, at, at + 1.0)
+        fb.record(late_ratio if i < late else ratio, epoch)
 
 
 def test_p99_over_objective_tightens() -> None:
@@ -48,10 +45,10 @@ def test_headroom_relaxes_the_faster_the_further_under() -> None:
 
 def test_a_window_that_cannot_come_back_under_is_judged_at_once() -> None:
     fb = LatencyFeedback(CFG)
-    fb.record(0.2, 0.0, 0.1)
-    fb.record(5.0, 0.0, 0.2)  # one late in a hundred is still within a P99
+    fb.record(0.2, 0)
+    fb.record(5.0, 0)  # one late in a hundred is still within a P99
     assert fb.factor == 1.0
-    fb.record(3.0, 0.0, 0.3)  # two are not, whatever the other 98 will be
+    fb.record(3.0, 0)  # two are not, whatever the other 98 will be
     assert fb.factor == 1.5
     assert fb.last_quantile == 3.0
 
@@ -59,28 +56,27 @@ def test_a_window_that_cannot_come_back_under_is_judged_at_once() -> None:
 def test_relaxing_waits_for_a_full_window() -> None:
     fb = LatencyFeedback(CFG)
     for _ in range(CFG.samples - 1):
-        fb.record(0.65, 0.0, 0.1)
+        fb.record(0.65, 0)
     assert fb.factor == 1.0
-    fb.record(0.65, 0.0, 0.1)
+    fb.record(0.65, 0)
     assert fb.factor == pytest.approx(1 / 1.1)
 
 
 def test_a_burst_admitted_under_one_factor_tightens_it_once() -> None:
     fb = LatencyFeedback(CFG)
-    for i in range(20):  # admitted together, all late; the verdict comes with the second
-        fb.record(3.0, 0.0, 0.2 + i / 100)
-    assert fb.factor == 1.5
-    for i in range(2):  # admitted after that verdict: judged
-        fb.record(3.0, 0.25, 0.5 + i / 100)
+    for _ in range(20):  # admitted together, all late; the verdict comes with the second
+        fb.record(3.0, 0)
+    assert fb.factor == 1.5 and fb.epoch == 1
+    for _ in range(2):  # admitted after that verdict: judged
+        fb.record(3.0, 1)
     assert fb.factor == pytest.approx(2.25)
 
 
 def test_one_bad_window_tightens_once() -> None:
     fb = LatencyFeedback(CFG)
     window(fb, 5.0)
-    at = next(TIMES)
     for _ in range(CFG.samples // 2):
-        fb.record(0.8, at, at + 1.0)
+        fb.record(0.8, fb.epoch)
     assert fb.factor == pytest.approx(1.5)
 
 
