@@ -41,7 +41,7 @@ class _Job:
     sub: Subscription
     arrived: float
     headers: dict[str, str]
-    epoch: int
+    epoch: int = 0
     """The feedback loop's verdicts when it was admitted (``Decision.epoch``)."""
     first_token_at: float = 0.0
     prompt_tokens: int = 0
