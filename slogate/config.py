@@ -106,7 +106,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     worker_poll_s: float = 0.5
     """How often the gateway refreshes its view of worker heartbeats."""
     audit_max_entries: int = 1_000_000
-    """Audit records kept in Redis, about (older ones are trimmed; a record is about 300 bytes
+    """Audit records kept in Redis, about (older ones are trimmed; a record is about 400 bytes
     of Redis memory); export them with audit-export."""
     log_level: str = "INFO"
     log_format: str = "json"

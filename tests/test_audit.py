@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -23,7 +24,8 @@ async def test_records_redis_did_not_take_are_sent_again_once_it_is_back(own_red
     audit = AuditLog(CommandBatcher(client), keep=100, flush_s=10)
     audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.stop()
-    assert all(isinstance(r, (RedisError, OSError)) for r in await audit.flush())
+    with pytest.raises((RedisError, OSError)):
+        await audit.flush()
     assert caplog.text.count("audit records could not be written") == 1
     audit.write("b", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.start()
@@ -44,7 +46,8 @@ async def test_what_is_kept_through_an_outage_is_bounded(own_redis: LocalRedis, 
         await asyncio.sleep(0.01)
     pending = audit.flush()
     if pending is not None:
-        assert all(isinstance(r, (RedisError, OSError)) for r in await pending)
+        with pytest.raises((RedisError, OSError)):
+            await pending
     assert len(audit._records) == KEEP_UNWRITTEN * 2, "the oldest beyond the bound are dropped"
     assert audit._records[-1].find('"r41"') > 0 and "dropped" in caplog.text
     await client.aclose()
