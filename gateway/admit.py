@@ -152,8 +152,8 @@ def _served_elsewhere(state: GatewayState, cls: str, model: str) -> str:
 
 
 def _fixed_route(state: GatewayState, parsed: ParsedRequest, cls: str) -> Decision:
+    """Admission off: the class's first pool that serves the model. The feedback loop still
+    judges the answers (its factor is a metric then), under the epoch they were sent in."""
     serving = set(state.directory.view.pools_serving(parsed.model))
-    for pool in state.cfg.policies.routing.pools[cls]:
-        if pool in serving:
-            return Decision("admit", "admission-off", 200, pool=pool)
-    return Decision("admit", "admission-off", 200, pool=sorted(serving)[0])
+    pool = next((p for p in state.cfg.policies.routing.pools[cls] if p in serving), None) or sorted(serving)[0]
+    return Decision("admit", "admission-off", 200, pool=pool, epoch=state.admission.feedback.epoch)

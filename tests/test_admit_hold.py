@@ -17,7 +17,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.schema import ParsedRequest
 from gateway.state import GatewayState
 from policies import config as policy_config
-from policies.admission import Decision
+from policies.admission import AdmissionController, Decision
 from policies.prompt_tokens import PromptTokens
 from slogate.protocol import SamplingParams
 
@@ -186,3 +186,15 @@ async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:
     with pytest.raises(asyncio.CancelledError):
         await first
     assert not state.holds
+
+
+async def test_with_admission_off_answers_are_judged_under_the_loops_current_epoch() -> None:
+    """Else, after the loop's first verdict, every answer would look admitted before it and the
+    factor (a metric with admission off) would never move again."""
+    controller = AdmissionController(policy_config.load({}))
+    controller.feedback.epoch = 3
+    state = SimpleNamespace(cfg=SimpleNamespace(admission_control=False, policies=controller.cfg),
+                            admission=controller, directory=SimpleNamespace(
+                                view=SimpleNamespace(pools_serving=lambda model: ["batch", "interactive"])))
+    decision = await admit(state, PARSED, "interactive", time.time() + 30)
+    assert (decision.pool, decision.reason, decision.epoch) == ("interactive", "admission-off", 3)
