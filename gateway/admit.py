@@ -17,12 +17,6 @@ from gateway.state import GatewayState
 from policies.admission import Decision
 
 
-def estimate_prompt_tokens(state: GatewayState, parsed: ParsedRequest) -> int:
-    """From the prompt's characters at what the model's finished requests showed a token to be
-    (:mod:`policies.prompt_tokens`); the worker reports the exact count afterwards."""
-    return state.admission.prompt_tokens.estimate(parsed.model, parsed.prompt_chars, len(parsed.messages or ()))
-
-
 def retry_headers(seconds: float) -> dict[str, str]:
     """``Retry-After`` allows whole seconds only; ``retry-after-ms`` (read by the OpenAI SDKs)
     carries the real figure. A refusal that no wait helps (0: the request would miss its
@@ -34,7 +28,8 @@ def retry_headers(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds))), "retry-after-ms": str(max(1, round(seconds * 1000)))}
 
 
-async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: float) -> Decision:
+async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: float,
+                key: str = "anonymous") -> Decision:
     """Pick the pool for a request, or raise the 429/503/504 that says why it cannot go.
     The caller brackets the admitted request with the directory's ``started``/``ended``.
 
@@ -48,7 +43,9 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
     ctl = state.admission
-    prompt_tokens = estimate_prompt_tokens(state, parsed)
+    # From the prompt's characters at what the key's finished requests showed a token to be
+    # (policies.prompt_tokens); the worker reports the exact count afterwards.
+    prompt_tokens = ctl.prompt_tokens.estimate(parsed.model, key, parsed.prompt_chars, len(parsed.messages or ()))
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
     turn = None
     sent_at = time.time()
@@ -82,7 +79,7 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
             state.metrics.held.dec()
     if decision.admitted:
         return decision
-    raise _refusal(state, cls, decision, parsed)
+    raise _refusal(state, cls, decision, parsed, prompt_tokens)
 
 
 def _join(state: GatewayState, parsed: ParsedRequest, cls: str, reason: str) -> asyncio.Event:
@@ -91,13 +88,13 @@ def _join(state: GatewayState, parsed: ParsedRequest, cls: str, reason: str) -> 
     batch = state.cfg.policies.objectives.batch
     if len(state.holds) >= batch.max_held:
         state.metrics.decided(cls, "shed", "batch-queue-full")
-        raise _refusal(state, cls, Decision("shed", "batch-queue-full", 429, batch.hold_retry_s), parsed)
+        raise _refusal(state, cls, Decision("shed", "batch-queue-full", 429, batch.hold_retry_s), parsed, 0)
     state.metrics.decided(cls, "wait", reason)
     state.metrics.held.inc()
     return state.holds.join()
 
 
-def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) -> APIError:
+def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest, prompt_tokens: int) -> APIError:
     headers = {"x-slogate-class": cls, "x-slogate-reason": d.reason}
     predicted = f"{d.predicted_s * 1000:.0f} ms" if d.predicted_s is not None else "unknown"
     if d.outcome == "expired":
@@ -123,19 +120,19 @@ def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest) 
     }
     message = messages.get(d.reason, f"request shed ({d.reason})")
     if d.reason == "exceeds-objective":
-        message += _beyond_context(state, parsed) or "send it as batch (x-slogate-class: batch) or ask for fewer tokens"
+        message += (_beyond_context(state, parsed, prompt_tokens)
+                    or "send it as batch (x-slogate-class: batch) or ask for fewer tokens")
     return APIError(429, message, None, d.reason.replace("-", "_"), headers)
 
 
-def _beyond_context(state: GatewayState, parsed: ParsedRequest) -> str | None:
+def _beyond_context(state: GatewayState, parsed: ParsedRequest, tokens: int) -> str | None:
     """What to say of a request too slow for interactive work that would not fit the model's
-    context either: sent as batch it would only come back a 400, after a wait."""
+    context either (its prompt estimated at ``tokens``): sent as batch it would only come back a
+    400, after a wait."""
     model = state.directory.view.models.get(parsed.model)
-    tokens = estimate_prompt_tokens(state, parsed)
     if model is None or tokens + parsed.sampling.max_tokens < model.max_context:
         return None
-    per_token = state.admission.prompt_tokens.chars_per_token(parsed.model)
-    return (f"besides, its prompt (about {tokens} tokens, at {per_token:.1f} characters a token) and max_tokens "
+    return (f"besides, its prompt (about {tokens} tokens, as this key's prompts have gone) and max_tokens "
             f"likely exceed the model's context of {model.max_context} tokens: shorten the prompt")
 
 

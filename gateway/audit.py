@@ -53,7 +53,7 @@ class AuditLog:
     def __init__(self, batcher: CommandBatcher, keep: int, flush_s: float = 0.05,
                  max_records: int = 256) -> None:
         """``keep``: about how many records the stream holds; ``max_records``: the most one
-        entry holds."""
+        flush sends (it is sent at once when that many are gathered)."""
         self.batcher = batcher
         self.keep = keep
         self.flush_s = flush_s
@@ -117,6 +117,8 @@ class AuditLog:
         exc = None if written.cancelled() else written.exception()
         if exc is None:
             self._failing = False
+            if self._records and self._timer is None:  # gathered while it was failing: no timer ran
+                self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
             return
         if not self._failing:
             log.warning("audit records could not be written, kept for the next try: %s", exc)
@@ -150,7 +152,9 @@ def export(url: str, count: int | None = None) -> Iterator[str]:
             if not batch:
                 return
             for _, fields in batch:
-                for line in fields[b"e"].decode().splitlines():
+                # Records are joined by "\n" alone (JSON escapes it inside one); splitlines would
+                # also cut at U+2028, U+2029 and the like, which JSON leaves as they are.
+                for line in fields[b"e"].decode().split("\n"):
                     yield line
                     sent += 1
                     if count is not None and sent >= count:

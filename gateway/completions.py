@@ -43,6 +43,8 @@ class _Job:
     headers: dict[str, str]
     epoch: int = 0
     """The feedback loop's verdicts when it was admitted (``Decision.epoch``)."""
+    key: str = "anonymous"
+    """The caller's API key id."""
     first_token_at: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -120,7 +122,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     with tracing.span("admit", **{"slogate.class": cls}) as span:
         if state.keys.enabled:
             await _rate_limit(state, caller, parsed)
-        decision = await admit(state, parsed, cls, deadline)
+        decision = await admit(state, parsed, cls, deadline, caller.key_id)
         if span is not None:
             span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
     request["audit"].update(pool=decision.pool, decision=decision.reason)
@@ -145,7 +147,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": decision.reason}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id, parsed.stream, pool), arrived, headers,
-               decision.epoch)
+               decision.epoch, request["audit"]["key"])
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1
@@ -432,9 +434,10 @@ def _observe(job: _Job) -> None:
         if job.status >= 500 and job.status != 504 and job.outcome not in NOT_THE_POOLS_FAULT:
             job.state.admission.observe_failure(job.gen.pool, end)
         if job.status == 504:
-            latency = (job.first_token_at or end) - job.arrived if job.parsed.stream else e2e
-            job.state.admission.observe_expired(cls=job.gen.cls, stream=job.parsed.stream, latency_s=latency,
-                                                epoch=job.epoch)
+            measured = job.parsed.stream and bool(job.first_token_at)
+            job.state.admission.observe_expired(
+                cls=job.gen.cls, stream=job.parsed.stream, epoch=job.epoch, measured=measured,
+                latency_s=job.first_token_at - job.arrived if measured else e2e)
         return
     m.e2e.observe(e2e)
     m.queue_wait.observe(rec.queue_wait_s)
@@ -445,7 +448,7 @@ def _observe(job: _Job) -> None:
         m.ttft.observe(job.first_token_at - job.arrived)
         if rec.completion_tokens > 1:
             m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
-    job.state.admission.prompt_tokens.observe(job.parsed.model, job.parsed.prompt_chars,
+    job.state.admission.prompt_tokens.observe(job.parsed.model, job.key, job.parsed.prompt_chars,
                                               len(job.parsed.messages or ()), rec.prompt_tokens)
     # From arrival, as the first token is: the gateway's own time before queueing is a wait,
     # not prefill, to what admission learns.

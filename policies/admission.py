@@ -259,15 +259,15 @@ class AdmissionController:
         if cls == "interactive":
             self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream), epoch)
 
-    def observe_expired(self, *, cls: str, stream: bool, latency_s: float, epoch: int) -> None:
-        """Report a request whose deadline passed before it finished (a 504), with its latency
-        as the objective measures it (so far, if its first token never came). Interactive work
-        that ran past its objective is late and tells the loop so; one whose client allowed it
-        less than the objective says nothing of whether it would have been, and is left out, as
-        it is from the breaker: a client asking for too little time must not tighten admission
-        or trip a pool for everyone."""
+    def observe_expired(self, *, cls: str, stream: bool, latency_s: float, measured: bool, epoch: int) -> None:
+        """Report a request whose deadline passed before it finished (a 504). ``latency_s`` is
+        what the objective measures when ``measured`` (a stream's first token came), else the
+        time it ran, a floor of it. Interactive work tells the loop what it knows: a first token,
+        on time or not, or a floor past the objective (late whatever came next). A floor under
+        the objective says nothing, and is left out, as 504s are from the breaker: a client
+        asking for too little time must not tighten admission or trip a pool for everyone."""
         ratio = latency_s / self.objective(stream)
-        if cls == "interactive" and ratio > 1.0:
+        if cls == "interactive" and (measured or ratio > 1.0):
             self.feedback.record(ratio, epoch)
 
     def observe_failure(self, pool: str, now: float) -> None:

@@ -73,3 +73,42 @@ async def test_the_trail_keeps_about_as_many_records_however_they_were_batched(r
     assert kept[-1] == "busy399" and sum(r.startswith("quiet") for r in kept) >= 600
     await client.delete(STREAM)
     await client.aclose()
+
+
+async def test_records_come_back_whole_whatever_line_separators_their_text_holds(redis_url: str) -> None:
+    """JSON leaves U+2028, U+2029 and NEL unescaped; only "\\n" separates records."""
+    from gateway.audit import export
+
+    client = aioredis.Redis.from_url(redis_url)
+    await client.delete(STREAM)
+    audit = AuditLog(CommandBatcher(client), keep=100, flush_s=10)
+    audit.write("odd", time.time(), 404, {"key": "k", "model": "a\u2028b\u2029c\x85d"})
+    await audit.flush()
+    await client.xadd(STREAM, {"e": '{"request_id":"old1"}\n{"request_id":"old2"}'})  # as earlier releases wrote
+    lines = await asyncio.to_thread(lambda: list(export(redis_url)))
+    assert [json.loads(line)["request_id"] for line in lines] == ["odd", "old1", "old2"]
+    assert json.loads(lines[0])["model"] == "a\u2028b\u2029c\x85d"
+    await client.delete(STREAM)
+    await client.aclose()
+
+
+async def test_records_gathered_while_a_retry_was_due_are_written_after_it(own_redis: LocalRedis) -> None:
+    client = aioredis.Redis.from_url(own_redis.url, socket_connect_timeout=1)
+    audit = AuditLog(CommandBatcher(client), keep=100, flush_s=0.05)
+    audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
+    own_redis.stop()
+    with pytest.raises((RedisError, OSError)):
+        await audit.flush()
+    own_redis.start()
+    await asyncio.sleep(0.1)
+    audit.write("b", time.time(), 200, {"key": "k", "model": "m"})  # kept for the retry, no timer of its own
+    deadline = time.monotonic() + RETRY_S + 10
+    while not await client.exists(STREAM):  # the retry writes a and b
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    audit.write("c", time.time(), 200, {"key": "k", "model": "m"})
+    while len(written(await client.xrange(STREAM))) < 3:  # and c goes on its own timer again
+        assert time.monotonic() < deadline, "c was left waiting for the next request"
+        await asyncio.sleep(0.05)
+    assert written(await client.xrange(STREAM)) == ["a", "b", "c"]
+    await client.aclose()

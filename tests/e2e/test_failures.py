@@ -95,6 +95,27 @@ async def test_deadline_expiry_non_streamed_is_504(slow_stack: Stack) -> None:
     assert err["code"] == "deadline_exceeded" and "deadline" in err["message"]
 
 
+async def feedback_factor(url: str) -> float:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    return float(next(x for x in text.splitlines() if x.startswith("slogate_admission_feedback_factor ")).split()[1])
+
+
+async def test_late_answers_and_late_504s_move_the_feedback_loop_once_a_verdict(slow_stack: Stack) -> None:
+    """Six interactive requests one after another, each late (10 steps of 20 ms): three answered,
+    three that run out of their 0.18 s deadline. However many late answers earlier tests left in
+    the loop's window (at most 2), that is two verdicts, each judging only requests sent after
+    the one before (admission is off here: the factor is then a metric)."""
+    before = await feedback_factor(slow_stack.url)
+    async with aiohttp.ClientSession() as s:
+        for timeout in (None, None, None, "0.18", "0.18", "0.18"):
+            headers = {"x-slogate-timeout": timeout} if timeout else {}
+            async with s.post(slow_stack.url + "/v1/chat/completions", json=body(10), headers=headers) as r:
+                assert r.status == (504 if timeout else 200) and r.headers["x-slogate-class"] == "interactive"
+    assert await feedback_factor(slow_stack.url) == pytest.approx(before * 1.25 ** 2)
+
+
 async def test_deadline_expiry_streamed_is_an_sse_error(slow_stack: Stack) -> None:
     async with aiohttp.ClientSession() as s:
         async with s.post(slow_stack.url + "/v1/chat/completions", json=body(200, stream=True),

@@ -244,12 +244,15 @@ def test_late_answers_tighten_admission_and_headroom_relaxes_it() -> None:
 def test_interactive_answers_that_ran_out_of_time_past_the_objective_count_as_late() -> None:
     ctl = AdmissionController(CFG)
     for _ in range(10):  # clients that allowed less than the objective: nothing is known
-        ctl.observe_expired(cls="interactive", stream=False, latency_s=0.05, epoch=0)
+        ctl.observe_expired(cls="interactive", stream=False, latency_s=0.05, measured=False, epoch=0)
     for _ in range(10):
-        ctl.observe_expired(cls="batch", stream=False, latency_s=30.0, epoch=0)
-    assert ctl.feedback.factor == 1.0
+        ctl.observe_expired(cls="batch", stream=False, latency_s=30.0, measured=False, epoch=0)
+    assert ctl.feedback.factor == 1.0 and not ctl.feedback._ratios
+    for _ in range(5):  # streams whose first token came in time, then ran out: on time
+        ctl.observe_expired(cls="interactive", stream=True, latency_s=0.05, measured=True, epoch=0)
+    assert len(ctl.feedback._ratios) == 5
     for _ in range(3):  # past the objective: 3 in a window of 200 put its P99 over
-        ctl.observe_expired(cls="interactive", stream=True, latency_s=0.4, epoch=0)
+        ctl.observe_expired(cls="interactive", stream=True, latency_s=0.4, measured=False, epoch=0)
     assert ctl.feedback.factor == pytest.approx(1.25)
 
 
