@@ -19,13 +19,19 @@ def written(lines: list) -> list[str]:
     return [json.loads(line)["request_id"] for _, f in lines for line in f[b"e"].decode().splitlines()]
 
 
-async def test_records_redis_did_not_take_are_sent_again_once_it_is_back(own_redis: LocalRedis, caplog) -> None:
+async def failed_write(own_redis: LocalRedis, flush_s: float) -> tuple[aioredis.Redis, AuditLog]:
+    """An audit log whose first record ("a") Redis, stopped, did not take."""
     client = aioredis.Redis.from_url(own_redis.url, socket_connect_timeout=1)
-    audit = AuditLog(CommandBatcher(client), keep=100, flush_s=10)
+    audit = AuditLog(CommandBatcher(client), keep=100, flush_s=flush_s)
     audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.stop()
     with pytest.raises((RedisError, OSError)):
         await audit.flush()
+    return client, audit
+
+
+async def test_records_redis_did_not_take_are_sent_again_once_it_is_back(own_redis: LocalRedis, caplog) -> None:
+    client, audit = await failed_write(own_redis, flush_s=10)
     assert caplog.text.count("audit records could not be written") == 1
     audit.write("b", time.time(), 200, {"key": "k", "model": "m"})
     own_redis.start()
@@ -93,12 +99,7 @@ async def test_records_come_back_whole_whatever_line_separators_their_text_holds
 
 
 async def test_records_gathered_while_a_retry_was_due_are_written_after_it(own_redis: LocalRedis) -> None:
-    client = aioredis.Redis.from_url(own_redis.url, socket_connect_timeout=1)
-    audit = AuditLog(CommandBatcher(client), keep=100, flush_s=0.05)
-    audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
-    own_redis.stop()
-    with pytest.raises((RedisError, OSError)):
-        await audit.flush()
+    client, audit = await failed_write(own_redis, flush_s=0.05)
     own_redis.start()
     await asyncio.sleep(0.1)
     audit.write("b", time.time(), 200, {"key": "k", "model": "m"})  # kept for the retry, no timer of its own
