@@ -132,8 +132,9 @@ def _beyond_context(state: GatewayState, parsed: ParsedRequest, tokens: int) -> 
     model = state.directory.view.models.get(parsed.model)
     if model is None or tokens + parsed.sampling.max_tokens < model.max_context:
         return None
-    return (f"besides, its prompt (about {tokens} tokens, as this key's prompts have gone) and max_tokens "
-            f"likely exceed the model's context of {model.max_context} tokens: shorten the prompt")
+    return (f"besides, its prompt (about {tokens} tokens, counting characters a token as this key's earlier "
+            f"prompts did) and max_tokens likely exceed the model's context of {model.max_context} tokens: "
+            f"shorten the prompt")
 
 
 def _served_elsewhere(state: GatewayState, cls: str, model: str) -> str:
