@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, TextIO
 
-from slogate.config import Config
+from slogate.config import Config, unknown_variables
 from slogate.local_redis import LocalRedis, free_port
 from slogate.tether import die_with_parent
 
@@ -130,6 +130,8 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
         (redis.state_dir / "url").write_text(redis.url)
         log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
     env = {**os.environ, "SLOGATE_REDIS_URL": cfg.redis_url}
+    for name in unknown_variables(env):  # warned about once, by this process; each child would again
+        del env[name]
     env.setdefault("OMP_NUM_THREADS", str(shared_core_threads(cfg)))
     if cfg.model:
         env["SLOGATE_MODEL"] = cfg.model

@@ -48,11 +48,11 @@ def up_env(tmp_path: Path, log_level: str = "WARNING") -> dict[str, str]:
 
 @contextlib.contextmanager
 def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None, config: Path | None = None,
-               log_level: str = "WARNING") -> Iterator[subprocess.Popen[str]]:
+               log_level: str = "WARNING", env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
     """``slogate [--config CONFIG] up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
     top = ["--config", str(config)] if config else []
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", *top, "up", *args], env=up_env(tmp_path, log_level),
-                          cwd=tmp_path, stderr=stderr, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", *top, "up", *args],
+                          env={**up_env(tmp_path, log_level), **(env or {})}, cwd=tmp_path, stderr=stderr, text=True)
     try:
         yield up
     finally:
@@ -70,7 +70,8 @@ def wait_ready(up: subprocess.Popen[str], port: int, timeout: float) -> None:
 
 def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
-    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port), "-o", "decode_base_s=0.001") as up:
+    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port), "-o", "decode_base_s=0.001",
+                    stderr=subprocess.PIPE, env={"SLOGATE_PORTT": "9"}) as up:
         wait_ready(up, port, 60)
         status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
@@ -84,9 +85,11 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
             assert status == 200 and b"slogate_worker_step_seconds" in body
         assert (tmp_path / "state" / "redis").is_dir(), "the embedded Redis keeps its files under the state folder"
         up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=60) == 0
+        _, err = up.communicate(timeout=60)
+        assert up.returncode == 0
         assert not any(alive(pid) for pid in kids), "every process of the stack is gone"
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 0
+    assert err.count("SLOGATE_PORTT is not a setting") == 1, "warned once, not once a process"
 
 
 def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp_path: Path) -> None:
