@@ -102,8 +102,9 @@ class Estimator(_Section, frozen=True):
 
 class Feedback(_Section, frozen=True):
     samples: PosInt = 200
-    """Measured interactive latencies per verdict; the window restarts after each verdict so a
-    verdict only sees requests admitted under the current factor."""
+    """Measured interactive latencies per verdict (one that tightens comes as soon as more of
+    them are late than ``quantile`` allows); the window restarts after each verdict, and only
+    requests admitted under the current factor count."""
     quantile: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.99
     tighten: Growth = 1.25
     relax: Growth = 1.05
