@@ -85,10 +85,12 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
 def _join(state: GatewayState, parsed: ParsedRequest, cls: str, reason: str) -> asyncio.Event:
     """A place at the end of the line of held requests, counted once as told to wait; or the
     429 of a full line."""
-    batch = state.cfg.policies.objectives.batch
+    policies = state.cfg.policies
+    batch = policies.objectives.batch
     if len(state.holds) >= batch.max_held:
         state.metrics.decided(cls, "shed", "batch-queue-full")
-        raise _refusal(state, cls, Decision("shed", "batch-queue-full", 429, batch.hold_retry_s), parsed, 0)
+        retry = round(min(state.holds.place_frees_in(batch.hold_retry_s), policies.admission.max_retry_after_s), 3)
+        raise _refusal(state, cls, Decision("shed", "batch-queue-full", 429, retry), parsed, 0)
     state.metrics.decided(cls, "wait", reason)
     state.metrics.held.inc()
     return state.holds.join()

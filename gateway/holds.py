@@ -11,12 +11,22 @@ dipped between the older ones' looks.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from collections.abc import Callable
+
+PACE_OVER = 8
+"""Departures the line's pace is measured over."""
 
 
 class HoldLine:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._line: deque[asyncio.Event] = deque()
+        self._clock = clock
+        self._left: deque[float] = deque(maxlen=PACE_OVER)
+        """When the last few held requests left the line, however they left."""
+        self._moved_at = 0.0
+        """When a place last freed, or the line last started from empty."""
 
     def __len__(self) -> int:
         return len(self._line)
@@ -25,6 +35,8 @@ class HoldLine:
         """A place at the end of the line: its event is set when it is a held request's turn to
         ask again, or when the gateway starts draining."""
         turn = asyncio.Event()
+        if not self._line:
+            self._moved_at = self._clock()
         self._line.append(turn)
         return turn
 
@@ -34,6 +46,8 @@ class HoldLine:
     def leave(self, turn: asyncio.Event) -> None:
         was_first = self.first(turn)
         self._line.remove(turn)
+        self._moved_at = self._clock()
+        self._left.append(self._moved_at)
         if was_first and self._line:
             self._line[0].set()
 
@@ -45,3 +59,13 @@ class HoldLine:
     def wake_all(self) -> None:
         for turn in self._line:
             turn.set()
+
+    def place_frees_in(self, floor: float) -> float:
+        """About how long until a full line has a place: it moves at the pace its last few
+        places freed, and has not moved for as long as it has not; never less than ``floor``.
+        A full line told every refused request to come back in ``floor`` (a second), and a line
+        held for a minute by interactive load refused each of them again sixty times."""
+        now = self._clock()
+        left = self._left
+        pace = (left[-1] - left[0]) / (len(left) - 1) if len(left) >= 2 else 0.0
+        return max(floor, pace, now - self._moved_at)

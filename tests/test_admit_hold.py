@@ -182,6 +182,10 @@ async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:
     assert refused.value.status == 429 and refused.value.code == "batch_queue_full"
     assert refused.value.headers["Retry-After"] == "1"
     assert decisions(state, "shed") == 1 and len(state.holds) == 1
+    await asyncio.sleep(1.3)  # the line has not moved for 1.3 s: not a place in the next second
+    with pytest.raises(APIError) as refused:
+        await admit(state, PARSED, "batch", deadline)
+    assert refused.value.headers["Retry-After"] == "2" and 1300 <= int(refused.value.headers["retry-after-ms"]) < 2000
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -198,3 +202,19 @@ async def test_with_admission_off_answers_are_judged_under_the_loops_current_epo
                                 view=SimpleNamespace(pools_serving=lambda model: ["batch", "interactive"])))
     decision = await admit(state, PARSED, "interactive", time.time() + 30)
     assert (decision.pool, decision.reason, decision.epoch) == ("interactive", "admission-off", 3)
+
+
+def test_a_full_line_says_when_a_place_should_free_from_how_it_has_moved() -> None:
+    now = [100.0]
+    line = HoldLine(clock=lambda: now[0])
+    turns = [line.join() for _ in range(5)]
+    assert line.place_frees_in(1.0) == 1.0, "it just started"
+    now[0] = 105.0
+    assert line.place_frees_in(1.0) == 5.0, "it has not moved for 5 s"
+    for turn in turns[:3]:  # a place frees every 2 s
+        now[0] += 2.0
+        line.leave(turn)
+    assert line.place_frees_in(1.0) == 2.0
+    now[0] += 0.5
+    assert line.place_frees_in(1.0) == 2.0, "at its pace, not sooner because one just left"
+    assert line.place_frees_in(3.0) == 3.0, "never sooner than the floor"
