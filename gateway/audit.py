@@ -114,7 +114,7 @@ class AuditLog:
     def _keep_unwritten(self, written: asyncio.Future[Any], records: list[str]) -> None:
         """Records Redis did not take are sent again a second later, with those written since,
         up to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and counted."""
-        exc = None if written.cancelled() else written.exception()
+        exc = asyncio.CancelledError() if written.cancelled() else written.exception()
         if exc is None:
             self._failing = False
             if self._records and self._timer is None:  # gathered while it was failing: no timer ran

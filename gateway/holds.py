@@ -35,8 +35,9 @@ class HoldLine:
         """A place at the end of the line: its event is set when it is a held request's turn to
         ask again, or when the gateway starts draining."""
         turn = asyncio.Event()
-        if not self._line:
+        if not self._line:  # a new spell of holding: how the last one moved says nothing of it
             self._moved_at = self._clock()
+            self._left.clear()
         self._line.append(turn)
         return turn
 

@@ -8,10 +8,13 @@ them was admitted half again as large as its prefill allowed. Every finished req
 with the worker's exact count, so the ratio is learned instead, starting from 4.
 
 It is learned per model and per API key, and a key's own ratio is used once it has sent a few
-thousand characters (before that, the model's, over all keys). What one key sends (Chinese,
-emoji, code) then prices only its own prompts: with one ratio for all, a key sending a tenth of
-the traffic as long prompts of emoji (three tokens a character) priced everyone else's English
-at four times its length, and their requests were shed for it.
+thousand characters (before that, the prior). What one key sends (Chinese, emoji, code) then
+prices only its own prompts: with one ratio for all, a key sending a tenth of the traffic as
+long prompts of emoji (three tokens a character) priced everyone else's English at four times
+its length, and their requests were shed for it. A new key is not given the ratio over all
+keys either: priced by another key's emoji, its first prompts would be shed, and a key whose
+every prompt is shed never learns its own ratio. The ratio over all keys is kept for the
+metric alone.
 
 A ratio is the recent prompts' tokens over their characters, both summed, so each prompt weighs
 as much as it is long: a short prompt is mostly its chat template and says little of the text.
@@ -51,14 +54,12 @@ class PromptTokens:
     def _tokens_per_char(self, model: str, key: str | None) -> float:
         sums = self._sums.get((model, key))
         if sums is None or sums[1] < OWN_CHARS:
-            sums = self._sums.get((model, None))
-        if sums is None:
             return 1.0 / PRIOR_CHARS_PER_TOKEN
         low, high = TOKENS_PER_CHAR_BOUNDS
         return min(max(sums[0] / sums[1], low), high)
 
     def chars_per_token(self, model: str, key: str | None = None) -> float:
-        """For ``key``'s prompts, or over all keys' (``None``)."""
+        """For ``key``'s prompts, or over all keys' (``None``: the metric)."""
         return 1.0 / self._tokens_per_char(model, key)
 
     def learned(self) -> dict[str, float]:

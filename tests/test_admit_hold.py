@@ -218,3 +218,11 @@ def test_a_full_line_says_when_a_place_should_free_from_how_it_has_moved() -> No
     now[0] += 0.5
     assert line.place_frees_in(1.0) == 2.0, "at its pace, not sooner because one just left"
     assert line.place_frees_in(3.0) == 3.0, "never sooner than the floor"
+    for turn in turns[3:]:
+        line.leave(turn)
+    now[0] += 3600.0  # empty for an hour, then full again, moving every 0.5 s
+    turns = [line.join() for _ in range(3)]
+    for turn in turns[:2]:
+        now[0] += 0.5
+        line.leave(turn)
+    assert line.place_frees_in(1.0) == 1.0, "the hour it stood empty is not its pace"

@@ -98,9 +98,9 @@ async def test_the_gateway_learns_how_many_characters_a_token_is(tmp_path) -> No
         stack.worker("interactive", "sim", "chars_per_token=2", "decode_base_s=0.001")
         stack.wait_models(MODEL)
         for i in range(5):
-            body = {**SCORE, "messages": [{"role": "user", "content": f"score txn {i} " + "x" * 400}]}
+            body = {**SCORE, "messages": [{"role": "user", "content": f"score txn {i} " + "x" * 1000}]}
             status, answer, _ = await post(stack.url, body)
-            assert status == 200 and answer["usage"]["prompt_tokens"] == 208  # (412 + 4) / 2
+            assert status == 200 and answer["usage"]["prompt_tokens"] == 508  # (1012 + 4) / 2
         async with aiohttp.ClientSession() as s:
             async with s.get(stack.url + "/metrics") as r:
                 text = await r.text()
