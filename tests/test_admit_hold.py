@@ -113,23 +113,25 @@ async def test_a_drain_wakes_requests_waiting_behind_others_at_once() -> None:
     assert not state.holds
 
 
-def in_order(state: SimpleNamespace, deadline: float) -> tuple[list[str], Callable[[str], Awaitable[None]]]:
-    """The order in which requests are let go, and how to send one by name."""
+def in_order(retry_s: float, deadline_s: float
+             ) -> tuple[Until, SimpleNamespace, list[str], Callable[[str], Awaitable[None]]]:
+    """A line held by ``Until(retry_s)``, the order in which its requests are let go, and how to
+    send one by name, with a deadline ``deadline_s`` away."""
+    controller = Until(retry_s=retry_s)
+    state = held_state(controller)
+    deadline = time.time() + deadline_s
     order: list[str] = []
 
     async def ask(name: str) -> None:
         await admit(state, PARSED, "batch", deadline)
         order.append(name)
 
-    return order, ask
+    return controller, state, order, ask
 
 
 async def test_held_requests_go_in_the_order_they_came() -> None:
     """The younger one's timer fires first after the load falls; before the line, it went first."""
-    deadline = time.time() + 30
-    controller = Until(retry_s=0.3)
-    state = held_state(controller)
-    order, ask = in_order(state, deadline)
+    controller, state, order, ask = in_order(retry_s=0.3, deadline_s=30)
     older = asyncio.create_task(ask("older"))
     await asyncio.sleep(0.15)
     younger = asyncio.create_task(ask("younger"))
@@ -145,10 +147,7 @@ async def test_a_request_that_comes_while_others_are_held_goes_after_them() -> N
     """The load falls; a newcomer asks before the older one's next look (half a minute away).
     Admitted on its own answer, it went first; told "behind-held", it joins the line's end and
     has the older one ask at once."""
-    deadline = time.time() + 60
-    controller = Until(retry_s=30.0)
-    state = held_state(controller)
-    order, ask = in_order(state, deadline)
+    controller, state, order, ask = in_order(retry_s=30.0, deadline_s=60)
     older = asyncio.create_task(ask("older"))
     await asyncio.sleep(0.05)
     controller.go = True
