@@ -13,6 +13,10 @@ makes that a bound on records whatever the rate, the gateway or a retry gathered
 record from the gateway would cost it 16 us each). Entries of several lines, as earlier
 releases wrote, are read all the same.
 
+A flush Redis did not confirm is sent again, as it was, under its number: the script notes the
+numbers it wrote, so a flush whose reply was lost (the connection dropped after Redis ran it)
+is not written twice.
+
 Requests refused before they had a caller (no valid key, a wrong method, a draining gateway)
 are one record a second for each status, with their count: the trail is trimmed by length, and
 anyone who reaches the port could otherwise push every real record out of it.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,13 +42,24 @@ log = logging.getLogger("slogate.gateway")
 _json = msgspec.json.Encoder()
 STREAM = f"{keys.PREFIX}:audit"
 FIELDS = ("id", "key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
-_APPEND = """
-for i = 2, #ARGV do
+FLUSHES_KEPT = 1024
+"""Flush numbers the script remembers per gateway: far more than it keeps unwritten."""
+FLUSHES_TTL_S = 3600
+_APPEND = f"""#!lua
+local n = tonumber(ARGV[2])
+if redis.call('ZSCORE', KEYS[2], n) then return 0 end
+for i = 3, #ARGV do
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'e', ARGV[i])
 end
-return #ARGV - 1
+redis.call('ZADD', KEYS[2], n, n)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', n - {FLUSHES_KEPT})
+redis.call('EXPIRE', KEYS[2], {FLUSHES_TTL_S})
+return #ARGV - 2
 """
-"""KEYS: the stream. ARGV: how many records to keep, then the records, one entry each."""
+"""KEYS: the stream, and the set of this gateway's flushes written. ARGV: how many records to
+keep, the flush's number, then the records, one entry each. With the shebang Redis refuses the
+whole script when it is out of memory, rather than failing it halfway, so a flush is written
+whole or not at all."""
 ANONYMOUS_EVERY_S = 1.0
 KEEP_UNWRITTEN = 16
 RETRY_S = 1.0
@@ -59,6 +75,10 @@ class AuditLog:
         self.flush_s = flush_s
         self.max_records = max_records
         self._records: list[str] = []
+        self._flushes_key = f"{STREAM}:flushes:{uuid.uuid4().hex}"
+        self._flushes = 0
+        self._unwritten: list[tuple[int, list[str]]] = []
+        """Flushes Redis did not confirm, oldest first, each sent again under its number."""
         self._timer: asyncio.TimerHandle | None = None
         self._anonymous: dict[int, int] = {}
         """Refusals without a caller gathered this second: status -> count."""
@@ -94,28 +114,48 @@ class AuditLog:
             self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
 
     def _bound(self) -> None:
-        excess = len(self._records) - KEEP_UNWRITTEN * self.max_records
-        if excess > 0:
-            del self._records[:excess]
-            log.warning("dropped %d audit record(s): Redis has been unavailable too long", excess)
+        excess = len(self._records) + sum(len(r) for _, r in self._unwritten) - KEEP_UNWRITTEN * self.max_records
+        if excess <= 0:
+            return
+        log.warning("dropped %d audit record(s): Redis has been unavailable too long", excess)
+        while excess > 0 and self._unwritten:
+            number, records = self._unwritten[0]
+            if len(records) > excess:
+                self._unwritten[0] = (number, records[excess:])
+                return
+            excess -= len(records)
+            del self._unwritten[0]
+        del self._records[:excess]
 
     def flush(self) -> asyncio.Future[Any] | None:
-        """Send what is gathered; the future fails with the error Redis gave, if it did."""
+        """Send what is gathered, after the flushes Redis did not confirm; the future fails
+        with the error Redis gave, if it did."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._records:
+        flushes, self._unwritten = self._unwritten, []
+        if self._records:
+            self._flushes += 1
+            flushes.append((self._flushes, self._records))
+            self._records = []
+        if not flushes:
             return None
-        records, self._records = self._records, []
-        written = self.batcher.call("EVAL", _APPEND, 1, STREAM, self.keep, *records)
-        written.add_done_callback(lambda fut: self._keep_unwritten(fut, records))
+        sent = [self._send(number, records) for number, records in flushes]
+        return sent[0] if len(sent) == 1 else asyncio.gather(*sent)
+
+    def _send(self, number: int, records: list[str]) -> asyncio.Future[Any]:
+        written = self.batcher.call("EVAL", _APPEND, 2, STREAM, self._flushes_key, self.keep, number, *records)
+        written.add_done_callback(lambda fut: self._keep_unwritten(fut, number, records))
         return written
 
-    def _keep_unwritten(self, written: asyncio.Future[Any], records: list[str]) -> None:
-        """Records Redis did not take are sent again a second later, with those written since,
-        up to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and counted."""
+    def _keep_unwritten(self, written: asyncio.Future[Any], number: int, records: list[str]) -> None:
+        """A flush Redis did not confirm is sent again a second later, with the records gathered
+        since, up to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and
+        counted."""
         exc = asyncio.CancelledError() if written.cancelled() else written.exception()
         if exc is None:
+            if self._unwritten:
+                return
             self._failing = False
             if self._records and self._timer is None:  # gathered while it was failing: no timer ran
                 self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
@@ -123,7 +163,8 @@ class AuditLog:
         if not self._failing:
             log.warning("audit records could not be written, kept for the next try: %s", exc)
             self._failing = True
-        self._records[:0] = records
+        self._unwritten.append((number, records))
+        self._unwritten.sort(key=lambda flush: flush[0])
         self._bound()
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(RETRY_S, self.flush)

@@ -54,8 +54,9 @@ async def test_what_is_kept_through_an_outage_is_bounded(own_redis: LocalRedis, 
     if pending is not None:
         with pytest.raises((RedisError, OSError)):
             await pending
-    assert len(audit._records) == KEEP_UNWRITTEN * 2, "the oldest beyond the bound are dropped"
-    assert audit._records[-1].find('"r41"') > 0 and "dropped" in caplog.text
+    kept = [r for _, records in audit._unwritten for r in records] + audit._records
+    assert len(kept) == KEEP_UNWRITTEN * 2, "the oldest beyond the bound are dropped"
+    assert kept[-1].find('"r41"') > 0 and kept[0].find('"r10"') > 0 and "dropped" in caplog.text
     await client.aclose()
 
 
@@ -112,4 +113,38 @@ async def test_records_gathered_while_a_retry_was_due_are_written_after_it(own_r
         assert time.monotonic() < deadline, "c was left waiting for the next request"
         await asyncio.sleep(0.05)
     assert written(await client.xrange(STREAM)) == ["a", "b", "c"]
+    await client.aclose()
+
+
+class LostReplies(CommandBatcher):
+    """Redis runs the first ``lose`` commands, then the connection drops before their replies."""
+
+    def __init__(self, client: aioredis.Redis, lose: int) -> None:
+        super().__init__(client)
+        self.lose = lose
+
+    def call(self, *args):
+        reply = super().call(*args)
+        if self.lose <= 0:
+            return reply
+        self.lose -= 1
+        lost = asyncio.get_running_loop().create_future()
+        reply.add_done_callback(lambda _: lost.set_exception(ConnectionError("Connection closed by server.")))
+        return lost
+
+
+async def test_a_flush_whose_reply_was_lost_is_not_written_twice(redis_url: str, caplog) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    await client.delete(STREAM)
+    audit = AuditLog(LostReplies(client, lose=1), keep=100, flush_s=10)
+    audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
+    with pytest.raises(ConnectionError):
+        await audit.flush()
+    assert written(await client.xrange(STREAM)) == ["a"], "Redis ran it"
+    assert "could not be written" in caplog.text
+    audit.write("b", time.time(), 200, {"key": "k", "model": "m"})
+    await audit.flush()  # a again (Redis knows its number: skipped), then b
+    assert written(await client.xrange(STREAM)) == ["a", "b"]
+    assert not audit._unwritten and not audit._failing
+    await client.delete(STREAM, audit._flushes_key)
     await client.aclose()
