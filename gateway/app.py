@@ -19,7 +19,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import completions
+from gateway import completions, prompt_ratios
 from gateway.audit import AuditLog
 from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
@@ -176,8 +176,11 @@ def _export_fleet(state: GatewayState) -> None:
     for pool, est in state.admission.estimates.items():
         m.learned_cost.labels(pool, "prefill_per_token").set(est.prefill_s_per_token)
         m.learned_cost.labels(pool, "decode_per_token").set(est.decode_s_per_token)
+    m.chars_per_token.clear()  # a model no worker serves any more keeps no series
+    served = view.models
     for model, chars in state.admission.prompt_tokens.learned().items():
-        m.chars_per_token.labels(model).set(chars)
+        if model in served:
+            m.chars_per_token.labels(model).set(chars)
 
 
 def make_app(cfg: Config) -> web.Application:
@@ -229,9 +232,13 @@ def _resources(cfg: Config):
                         "configure api_keys for anything but local use")
         app[STATE] = state
         await state.directory.refresh()
-        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run(state.fail_unserved))]
+        learned = state.admission.prompt_tokens
+        await prompt_ratios.restore(commands, learned)
+        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run(state.fail_unserved)),
+                 asyncio.create_task(prompt_ratios.keep_saved(commands, learned))]
         yield
         await cancel_and_wait(tasks)
+        await prompt_ratios.save(commands, learned)
         await state.audit.close()
         await state.mux.close()
         await reader.aclose()

@@ -36,3 +36,7 @@ def stream_slots(key_id: str) -> str:
 WORKERS = f"{PREFIX}:workers"
 """The names of the heartbeat keys that may be live (a set): gateways read the fleet from it,
 not by scanning the keyspace, whose cancel flags alone can number a million."""
+
+PROMPT_RATIOS = f"{PREFIX}:prompt_ratios"
+"""What gateways learned of prompt characters a token, per model and API key (a hash,
+``policies.prompt_tokens``), so that a gateway that starts does not start from the prior."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import Iterator
 
 import aiohttp
@@ -89,24 +91,38 @@ async def test_a_model_served_only_by_the_other_class_says_where(tmp_path) -> No
         server.stop()
 
 
+async def learned_chars_per_token(url: str) -> float | None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    name = f'slogate_admission_prompt_chars_per_token{{model="{MODEL}"}}'
+    return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(name)), None)
+
+
 async def test_the_gateway_learns_how_many_characters_a_token_is(tmp_path) -> None:
-    """The sim counts two characters a token here; the gateway starts from four."""
+    """The sim counts two characters a token here; the gateway starts from four, and a gateway
+    started later from what the first learned."""
     server = LocalRedis(tmp_path / "redis").start()
     stack = Stack(server.url, dict(FAST_FLEET))
     try:
-        stack.gateway()
-        stack.worker("interactive", "sim", "chars_per_token=2", "decode_base_s=0.001")
+        first = stack.gateway()
+        worker = stack.worker("interactive", "sim", "chars_per_token=2", "decode_base_s=0.001")
         stack.wait_models(MODEL)
         for i in range(5):
             body = {**SCORE, "messages": [{"role": "user", "content": f"score txn {i} " + "x" * 1000}]}
             status, answer, _ = await post(stack.url, body)
             assert status == 200 and answer["usage"]["prompt_tokens"] == 508  # (1012 + 4) / 2
-        async with aiohttp.ClientSession() as s:
-            async with s.get(stack.url + "/metrics") as r:
-                text = await r.text()
-        line = next(x for x in text.splitlines()
-                    if x.startswith(f'slogate_admission_prompt_chars_per_token{{model="{MODEL}"}}'))
-        assert 1.9 < float(line.split()[-1]) < 2.1
+        assert 1.9 < await learned_chars_per_token(stack.url) < 2.1
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=20) == 0
+        stack.gateway()  # a restart: no request has taught it anything
+        stack.wait_models(MODEL)
+        assert 1.9 < await learned_chars_per_token(stack.url) < 2.1
+        worker.kill()
+        deadline = time.monotonic() + 10
+        while await learned_chars_per_token(stack.url) is not None:  # its model is no longer served
+            assert time.monotonic() < deadline, "a model no worker serves keeps its series"
+            await asyncio.sleep(0.1)
     finally:
         stack.stop()
         server.stop()

@@ -11,8 +11,8 @@ import openai
 import pytest
 import redis
 
-from tests.e2e.conftest import MODEL, start_stack
 from slogate.processes import Stack
+from tests.e2e.conftest import MODEL, start_stack
 
 CHAT = {"model": MODEL, "messages": [{"role": "system", "content": "score it"},
                                      {"role": "user", "content": "txn 1: 10 EUR"}], "max_tokens": 6}
@@ -207,7 +207,7 @@ async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     names = {k.decode() for k in client.scan_iter("*")}
     per_gateway = ("slogate:r:", "slogate:alive:")
-    shared = ("slogate:q:", "slogate:hb:", "slogate:workers", "slogate:audit")
+    shared = ("slogate:q:", "slogate:hb:", "slogate:workers", "slogate:audit", "slogate:prompt_ratios")
     per_request = {k for k in names if not k.startswith((*shared, *per_gateway))}
     replies = [k for k in names if k.startswith("slogate:r:")]
     queues = {p: client.xlen(f"slogate:q:{p}") for p in ("interactive", "batch")}

@@ -56,3 +56,19 @@ def test_prompts_that_are_mostly_template_teach_nothing_and_the_ratio_stays_boun
     assert tokens.estimate("m", "k", 400, 0) == 100
     tokens.observe("m", "k", 5000, 0, 1_000_000)
     assert tokens.estimate("m", "k", 100, 0) == 400
+
+
+def test_a_gateway_takes_up_what_another_saved_but_keeps_what_it_learned_itself() -> None:
+    before = PromptTokens()
+    for _ in range(50):
+        before.observe("chinese", "k", 300, 1, 304)
+        before.observe("chinese", "j", 1200, 1, 304)
+    saved = before.saved()
+    later = PromptTokens()
+    for _ in range(50):
+        later.observe("chinese", "j", 600, 1, 304)  # j's traffic changed: two characters a token now
+    bad = {b'["m", null]': b'[0, 0]', b'["m", "x"]': b'[1e400, 1]', b'not json': b'[1, 2]', b'["m", "y"]': b'"2"'}
+    assert later.restore({**saved, **bad}) == 1, "k alone: j and the pool it learned itself, the rest unreadable"
+    assert later.chars_per_token("chinese", "k") == pytest.approx(1.0)
+    assert later.chars_per_token("chinese", "j") == pytest.approx(2.0)
+    assert later.estimate("m", "x", 400, 0) == 100
