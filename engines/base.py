@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from slogate.protocol import FinishReason, SamplingParams
+from slogate.protocol import FinishReason, SamplingParams, TokenLogprob
 
 LONG_PROMPT_CHARS = 2048
 """Where a prompt stops being short for tokenizing. The worker tokenizes prompts up to this
@@ -56,6 +56,8 @@ class StepOutput:
     error_status: int = 500
     error_code: str | None = None
     """OpenAI's error code, where a more precise one than the status's applies."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One for each of ``token_ids``, when the request asked for log-probabilities."""
 
 
 @dataclass

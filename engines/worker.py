@@ -36,7 +36,7 @@ from slogate import keys, protocol, tracing
 from slogate.config import DEFAULT_REDIS_URL, Config, redacted
 from slogate.crypto import Sealer, SealError
 from slogate.heap import freeze_startup_heap
-from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo
+from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo, TokenLogprob
 from slogate.tasks import cancel_and_wait
 
 log = logging.getLogger("slogate.worker")
@@ -70,6 +70,9 @@ class _InFlight:
     """Text not yet written: a non-streamed request gets its answer in one record."""
     tokens: int = 0
     """Tokens generated so far (counted in the metrics as they come, so a cancel loses none)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """Log-probabilities not yet written, as ``held`` (and with it: of tokens whose text is held)."""
+    logprobs_sent: int = 0
 
 
 class Worker:
@@ -443,10 +446,14 @@ class Worker:
                         job.first_token_at = now
                         self.metrics.ttft.observe(now - job.received_at)
                     job.held += out.text
-                if job.held and (job.req.stream or out.finish_reason is not None):
-                    self._write(job, Delta(job.held, job.offset, job.attempt, out.prompt_tokens, out.completion_tokens))
+                job.logprobs += out.logprobs
+                if (job.held or job.logprobs) and (job.req.stream or out.finish_reason is not None):
+                    self._write(job, Delta(job.held, job.offset, job.attempt, out.prompt_tokens, out.completion_tokens,
+                                           job.logprobs, job.logprobs_sent))
                     job.offset += len(job.held)
                     job.held = ""
+                    job.logprobs_sent += len(job.logprobs)
+                    job.logprobs = []
                 if out.finish_reason is None:
                     continue
                 self.metrics.finished(out.finish_reason)

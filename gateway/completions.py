@@ -299,7 +299,7 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
                     job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
                     if text is None:
                         continue
-                    if not job.first_token_at:
+                    if text and not job.first_token_at:
                         job.first_token_at = time.time()
                 elif rec.attempt and rec.attempt < relay.attempt:
                     continue
@@ -344,7 +344,8 @@ async def _collect(job: _Job) -> web.Response:
             raise err
         body = shapes.full_response(
             job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id), int(job.arrived),
-            job.gen.model, relay.text, rec.finish_reason, shapes.usage(rec.prompt_tokens, rec.completion_tokens))
+            job.gen.model, relay.text, rec.finish_reason, shapes.usage(rec.prompt_tokens, rec.completion_tokens),
+            relay.logprobs if job.gen.sampling.logprobs is not None else None)
         return web.Response(body=body, content_type="application/json", headers=job.headers)
     raise APIError(502, "the result stream ended without a final record", None, "worker_failed")
 
@@ -392,7 +393,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
             elif isinstance(rec, Delta):
                 resp = resp or await start()
                 use = shapes.usage(rec.prompt_tokens, rec.completion_tokens) if job.parsed.continuous_usage else None
-                out.append(chunks.text(text, use))
+                out.append(chunks.text(text, use, relay.fresh if job.gen.sampling.logprobs is not None else None))
             else:
                 err = _final_error(job, rec)
                 if err is not None:

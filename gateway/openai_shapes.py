@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from slogate.protocol import TokenLogprob
+
 _json = msgspec.json.Encoder()
 
 
@@ -18,14 +20,36 @@ def response_id(kind: str, request_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
 
 
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.raw),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(raw)} for t, raw, lp in e.top]}
+                        for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """``text_offset``: where the first entry's token starts in the completion."""
+    offsets = []
+    for e in entries:
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{e.token: e.logprob, **{t: lp for t, _, lp in e.top}} for e in entries],
+            "text_offset": offsets}
+
+
 def full_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
-                  use: dict[str, int]) -> bytes:
+                  use: dict[str, int], logprobs: list[TokenLogprob] | None = None) -> bytes:
+    """``logprobs``: None when the request did not ask for them."""
     if kind == "chat":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": finish_reason}
+                                  "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                                  "finish_reason": finish_reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text,
+                  "logprobs": None if logprobs is None else completion_logprobs(logprobs),
+                  "finish_reason": finish_reason}
         obj = "text_completion"
     return _json.encode({"id": rid, "object": obj, "created": created, "model": model,
                          "choices": [choice], "usage": use})
@@ -36,6 +60,8 @@ class ChunkWriter:
 
     def __init__(self, kind: str, rid: str, created: int, model: str) -> None:
         self.kind = kind
+        self.text_offset = 0
+        """Where the next token starts in the completion (for completions' log-probabilities)."""
         self.head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                      "created": created, "model": model}
 
@@ -46,12 +72,18 @@ class ChunkWriter:
         return self._frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
 
-    def text(self, text: str, use: dict[str, int] | None = None) -> bytes:
+    def text(self, text: str, use: dict[str, int] | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """``logprobs``: the chunk's tokens', or None when the request did not ask for them."""
         extra = {} if use is None else {"usage": use}
         if self.kind == "chat":
-            return self._frame([{"index": 0, "delta": {"content": text}, "logprobs": None,
+            return self._frame([{"index": 0, "delta": {"content": text},
+                                 "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                                  "finish_reason": None}], **extra)
-        return self._frame([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}], **extra)
+        shown = None
+        if logprobs is not None:
+            shown = completion_logprobs(logprobs, self.text_offset)
+            self.text_offset += sum(len(e.token) for e in logprobs)
+        return self._frame([{"index": 0, "text": text, "logprobs": shown, "finish_reason": None}], **extra)
 
     def finish(self, finish_reason: str) -> bytes:
         if self.kind == "chat":

@@ -58,7 +58,15 @@ _STR, _INT = {"type": "string"}, {"type": "integer"}
 
 def _response_schemas() -> dict[str, dict[str, Any]]:
     """What ``openai_shapes`` and the plain handlers in ``app`` send back."""
-    choice = {"index": _INT, "logprobs": {"type": "null"}, "finish_reason": _nullable(_STR)}
+    num, nums = {"type": ["number", "null"]}, {"type": "array", "items": _INT}
+    alternative = {"token": _STR, "logprob": num, "bytes": nums}
+    chat_logprobs = _obj({"content": {"type": "array", "items": _obj({
+        **alternative, "top_logprobs": {"type": "array", "items": _obj(alternative)}})}})
+    completion_logprobs = _obj({
+        "tokens": {"type": "array", "items": _STR}, "token_logprobs": {"type": "array", "items": num},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": num}},
+        "text_offset": nums})
+    choice = {"index": _INT, "finish_reason": _nullable(_STR)}
     return {
         "Error": _obj({"error": _obj({"message": _STR, "type": _STR, "param": _nullable(_STR),
                                       "code": _nullable(_STR)})}),
@@ -66,11 +74,13 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
         "ChatCompletion": _obj({
             "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
             "choices": {"type": "array", "items": _obj({
-                **choice, "message": _obj({"role": {"const": "assistant"}, "content": _STR})})},
+                **choice, "logprobs": _nullable(chat_logprobs),
+                "message": _obj({"role": {"const": "assistant"}, "content": _STR})})},
             "usage": {"$ref": _REF.format(name="Usage")}}),
         "Completion": _obj({
             "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
-            "choices": {"type": "array", "items": _obj({**choice, "text": _STR})},
+            "choices": {"type": "array", "items": _obj({**choice, "logprobs": _nullable(completion_logprobs),
+                                                         "text": _STR})},
             "usage": {"$ref": _REF.format(name="Usage")}}),
         "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj(
             {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},

@@ -9,9 +9,9 @@ than a spliced answer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from slogate.protocol import Delta, Error, Final, Result
+from slogate.protocol import Delta, Error, Final, Result, TokenLogprob
 
 
 class SplicedOutput(Exception):
@@ -25,23 +25,34 @@ class Relay:
     attempt: int = 0
     text: str = ""
     """Everything accepted so far (for a streamed request: what the client was sent)."""
+    tokens: int = 0
+    """Log-probabilities accepted so far (a request that asked for them has one a token)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """All of them, for a request not streamed (a stream's go out as they come)."""
+    fresh: list[TokenLogprob] = field(default_factory=list)
+    """Those the last record accepted added."""
 
     def accept(self, rec: Result) -> str | None:
-        """The new text a record adds, or None when the record is stale or repeats."""
+        """The new text a record adds ("" when it adds only log-probabilities, ``fresh``), or
+        None when the record is stale or repeats."""
         if rec.attempt and rec.attempt < self.attempt:
             return None
         if rec.attempt > self.attempt:
             self._new_attempt(rec)
         if not isinstance(rec, Delta):
             return None
-        if rec.offset > len(self.text):
+        if rec.offset > len(self.text) or rec.token_offset > self.tokens:
             raise SplicedOutput(f"part of the answer was lost on its way from the worker (text from character "
-                                f"{rec.offset} arrived after {len(self.text)})")
-        start = len(self.text) - rec.offset
-        if start >= len(rec.text):
+                                f"{rec.offset} arrived after {len(self.text)}, log-probabilities from token "
+                                f"{rec.token_offset} after {self.tokens})")
+        new = rec.text[len(self.text) - rec.offset:]
+        self.fresh = rec.logprobs[self.tokens - rec.token_offset:]
+        if not new and not self.fresh:
             return None
-        new = rec.text[max(0, start):]
         self.text += new
+        self.tokens += len(self.fresh)
+        if not self.streamed:
+            self.logprobs += self.fresh
         return new
 
     def _new_attempt(self, rec: Delta | Final | Error) -> None:
@@ -52,6 +63,6 @@ class Relay:
         if self.streamed:
             raise SplicedOutput("the worker serving this request failed after streaming part of "
                                 "the answer, and sampling is not deterministic, so it cannot resume")
-        self.text = ""
-        if isinstance(rec, Delta) and rec.offset:
+        self.text, self.tokens, self.logprobs = "", 0, []
+        if isinstance(rec, Delta) and (rec.offset or rec.token_offset):
             raise SplicedOutput("a retried request resumed mid-answer with non-deterministic sampling")

@@ -17,6 +17,8 @@ from gateway.errors import APIError, bad_request
 from slogate.protocol import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 
@@ -175,8 +177,6 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request("only n=1 is supported; send one request per completion", "n", "unsupported_value")
     if raw.tools:
         raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
-    if raw.logprobs:
-        raise bad_request("logprobs are not supported by this gateway", "logprobs", "unsupported_value")
     if raw.logit_bias:
         raise bad_request("logit_bias is not supported by this gateway", "logit_bias", "unsupported_value")
     if raw.response_format is not None and raw.response_format.type != "text":
@@ -190,8 +190,6 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         if raw.tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools, and tool calling is not supported by this gateway",
                               "tool_choice", "unsupported_value")
-        if raw.top_logprobs:
-            raise bad_request("logprobs are not supported by this gateway", "top_logprobs", "unsupported_value")
         if raw.modalities not in (None, ["text"]) or raw.audio is not None:
             raise bad_request("only text output is supported by this gateway",
                               "audio" if raw.audio is not None else "modalities", "unsupported_value")
@@ -230,7 +228,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
         top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
-        frequency_penalty=frequency)
+        frequency_penalty=frequency, logprobs=_logprobs(raw))
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
@@ -242,6 +240,28 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
     else:
         parsed.prompt = _prompt(raw)
     return parsed
+
+
+def _logprobs(raw: ChatBody | CompletionBody) -> int | None:
+    """How many likeliest tokens each sampled token's log-probability comes with; None: no
+    log-probabilities. Chat asks with ``logprobs: true`` and ``top_logprobs`` (0-20), completions
+    with ``logprobs`` alone (0-5), as OpenAI has them."""
+    if isinstance(raw, CompletionBody):
+        if raw.logprobs is None:
+            return None
+        if isinstance(raw.logprobs, bool) or not 0 <= raw.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} (how many "
+                              f"likeliest tokens to list at each place), got {raw.logprobs}", "logprobs")
+        return raw.logprobs
+    if raw.logprobs is not None and not isinstance(raw.logprobs, bool):
+        raise bad_request("'logprobs' must be true or false for chat completions (how many likeliest tokens to "
+                          "list is 'top_logprobs')", "logprobs")
+    top = raw.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be from 0 to {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    if top and not raw.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if raw.logprobs else None
 
 
 def _ranged(value: float | None, name: str, lo: float, hi: float, default: float) -> float:

@@ -45,6 +45,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    """None: no log-probabilities; k: each sampled token's, with the k likeliest at its place."""
 
     @property
     def deterministic(self) -> bool:
@@ -74,6 +76,17 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
     v: int = VERSION
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A sampled token's log-probability under the model (before temperature, penalties or
+    filters), with its text and exact bytes (a token may be part of a character), and the
+    likeliest tokens at its place as (text, bytes, log-probability), likeliest first."""
+
+    token: str
+    raw: bytes
+    logprob: float
+    top: list[tuple[str, bytes, float]] = []
+
+
 class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     """New output. ``offset`` is where ``text`` starts in the whole completion, ``attempt``
     which delivery of the request produced it: together they let the gateway drop what a
@@ -86,6 +99,10 @@ class Delta(msgspec.Struct, tag="delta", omit_defaults=True):
     completion_tokens: int = 0
     """Tokens sampled when ``text`` was sent, so a client can see how many each chunk carries
     (a token inside a UTF-8 character or a held stop string adds no text of its own)."""
+    logprobs: list[TokenLogprob] = []
+    """For a request that asked for them: the tokens sampled since the last delta, each one's,
+    from token ``token_offset`` of the completion on (what a retry repeats is dropped by it)."""
+    token_offset: int = 0
     v: int = VERSION
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.relay import Relay, SplicedOutput
-from slogate.protocol import Delta, Final
+from slogate.protocol import Delta, Final, TokenLogprob
 
 
 def feed(relay: Relay, *records) -> str:
@@ -49,3 +49,27 @@ def test_a_delta_after_a_gap_is_never_joined_to_the_text_before_it() -> None:
     with pytest.raises(SplicedOutput, match="lost"):
         relay.accept(Delta("xyz", 5))
     assert relay.text == "abc"
+
+
+def lp(token: str) -> TokenLogprob:
+    return TokenLogprob(token, token.encode(), -1.0)
+
+
+def test_log_probabilities_are_relayed_once_across_a_replay_even_without_text() -> None:
+    relay = Relay(streamed=False, deterministic=True)
+    assert relay.accept(Delta(" a", 0, logprobs=[lp(" a")])) == " a"
+    assert relay.accept(Delta("", 2, logprobs=[lp("\ufffd")], token_offset=1)) == "", "part of a character"
+    assert relay.fresh == [lp("\ufffd")]
+    assert relay.accept(Delta(" a", 0, attempt=2, logprobs=[lp(" a"), lp("\ufffd")])) is None
+    assert relay.accept(Delta("é", 2, attempt=2, logprobs=[lp("\ufffd"), lp("\ufffd")], token_offset=1)) == "é"
+    assert [e.token for e in relay.fresh] == ["\ufffd"], "the replayed token is dropped, the new one kept"
+    assert relay.tokens == 3 and len(relay.logprobs) == 3
+    with pytest.raises(SplicedOutput, match="token 5 after 3"):
+        relay.accept(Delta("", 3, attempt=2, logprobs=[lp("x")], token_offset=5))
+
+
+def test_a_non_deterministic_retry_restarts_the_log_probabilities_too() -> None:
+    relay = Relay(streamed=False, deterministic=False)
+    feed(relay, Delta("ab", 0, logprobs=[lp("a"), lp("b")]))
+    feed(relay, Delta("x", 0, attempt=2, logprobs=[lp("x")]))
+    assert relay.text == "x" and [e.token for e in relay.logprobs] == ["x"] and relay.tokens == 1

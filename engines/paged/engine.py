@@ -24,7 +24,9 @@ from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.loader import LoadedModel
 from engines.runtime.packed_linear import pack_linears
-from engines.runtime.sampling import make_generator, sample
+from engines.runtime.sampling import make_generator, sample, token_logprobs
+from engines.runtime.token_pieces import TokenPieces
+from slogate.protocol import TokenLogprob
 
 _SMOOTHING = 0.2
 """Weight of the newest step in the moving averages that ``load`` reports."""
@@ -77,6 +79,7 @@ class PagedEngine:
         self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel, opts.cuda_graphs,
                                   loaded.max_context)
         self.capacity = opts.max_num_seqs
+        self.pieces = TokenPieces(loaded.tokenizer)
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []
         self._decode_step_s = 0.0
@@ -136,7 +139,7 @@ class PagedEngine:
         sampled, logits = self._forward(sched, arrivals, send)
         tokens = self._sample(sched, sampled, logits)
         self._record_timing(time.perf_counter() - started, sched.num_tokens, len(sched.seqs))
-        outputs.extend(self._emit(live, token) for live, token in tokens)
+        outputs.extend(self._emit(*sampled_token) for sampled_token in tokens)
         return outputs
 
     def _forward(self, sched: Schedule, arrivals: Callable[[], bool] | None,
@@ -145,9 +148,10 @@ class PagedEngine:
         anyway, and throughput, not the first token, is what it serves."""
         return self.runner.run(sched)
 
-    def _sample(self, sched: Schedule, sampled: list[int], logits: torch.Tensor) -> list[tuple[_Live, int]]:
+    def _sample(self, sched: Schedule, sampled: list[int],
+                logits: torch.Tensor) -> list[tuple[_Live, int, TokenLogprob | None]]:
         """Sample the next token of the sequences at ``sampled`` in ``sched`` and advance them
-        all; their outputs are for ``_emit``."""
+        all; their outputs (with the token's log-probability, where asked for) are for ``_emit``."""
         lives = [self._live[sched.seqs[i].request_id] for i in sampled]
         tokens = sample(
             logits,
@@ -157,7 +161,14 @@ class PagedEngine:
             self.loaded.eos_token_ids,
         )
         self.scheduler.postprocess(sched, dict(zip(sampled, tokens)))
-        return list(zip(lives, tokens))
+        wanted = [i for i, lv in enumerate(lives) if lv.seq.sampling.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(lives)
+        if wanted:
+            found = token_logprobs(logits, wanted, [tokens[i] for i in wanted],
+                                   [lives[i].seq.sampling.logprobs or 0 for i in wanted])
+            for i, (lp, top) in zip(wanted, found):
+                logprobs[i] = TokenLogprob(*self.pieces(tokens[i]), lp, [(*self.pieces(t), v) for t, v in top])
+        return list(zip(lives, tokens, logprobs))
 
     def load(self) -> EngineLoad:
         return EngineLoad(
@@ -175,7 +186,7 @@ class PagedEngine:
             },
         )
 
-    def _emit(self, live: _Live, token: int) -> StepOutput:
+    def _emit(self, live: _Live, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
         seq = live.seq
         text, finish = live.tracker.append(token)
         if finish is not None:
@@ -188,6 +199,7 @@ class PagedEngine:
             finish_reason=finish,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=len(live.tracker.token_ids),
+            logprobs=[logprob] if logprob is not None else [],
         )
 
     def _expire(self, now: float) -> list[StepOutput]:

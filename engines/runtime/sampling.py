@@ -168,3 +168,19 @@ def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> 
     # strictly below the total, so the first entry above the target always has mass
     target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int],
+                   top: Sequence[int]) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each of ``rows`` of ``logits`` [B, V]: the log-probability of its sampled token, and
+    its ``top`` likeliest tokens with theirs, likeliest first. From the model's own
+    distribution (the raw logits), not the one temperature or penalties drew from: what a
+    client scores by is what the model thinks, whatever the request sampled with."""
+    logprobs = torch.log_softmax(logits[list(rows)].to(torch.float32), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    width = max(top, default=0)
+    if width == 0:
+        return [(lp, []) for lp in chosen]
+    values, ids = logprobs.topk(min(width, logprobs.shape[1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return [(lp, list(zip(ids[i][:k], values[i][:k]))) for i, (lp, k) in enumerate(zip(chosen, top))]

@@ -167,7 +167,7 @@ class StreamEngine(PagedEngine):
         seconds = time.perf_counter() - started
         self.cost.observe(decodes, chunks, seconds)
         self._record_averages(seconds, sched.num_tokens, len(sched.seqs))
-        return [self._emit(live, token) for live, token in tokens]
+        return [self._emit(*sampled_token) for sampled_token in tokens]
 
     def _until_text(self, outputs: list[StepOutput]) -> list[StepOutput]:
         """After a pass of new prompts that went first, those whose first token shows no text

@@ -147,6 +147,39 @@ def test_openai_sdk_chat_and_completions(stack: Stack) -> None:
     assert streamed == comp.choices[0].text and len(streamed.split()) == 3
 
 
+def test_openai_sdk_log_probabilities_chat_and_completions(stack: Stack) -> None:
+    """One entry a token sampled, streamed or not, each with the likeliest tokens asked for; a
+    token that completed a stop string has its entry though its text is cut."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=5,
+                                          logprobs=True, top_logprobs=2)
+    entries = chat.choices[0].logprobs.content
+    assert len(entries) == chat.usage.completion_tokens == 5
+    assert "".join(e.token for e in entries) == chat.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in entries)
+    assert all(bytes(e.bytes) == e.token.encode() and e.logprob <= 0 for e in entries)
+    streamed = [e for c in client.chat.completions.create(
+        model=MODEL, messages=CHAT["messages"], max_tokens=5, logprobs=True, top_logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+    assert client.chat.completions.create(model=MODEL, messages=CHAT["messages"],
+                                          max_tokens=5).choices[0].logprobs is None
+
+    comp = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, logprobs=1)
+    lp = comp.choices[0].logprobs
+    assert "".join(lp.tokens) == comp.choices[0].text and len(lp.token_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    assert all(list(top) == [token] for top, token in zip(lp.top_logprobs, lp.tokens))
+    stop = lp.tokens[3]
+    cut = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, logprobs=0, stop=stop)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == "".join(lp.tokens[:3])
+    assert cut.choices[0].logprobs.tokens == lp.tokens[:4] and cut.usage.completion_tokens == 4
+    streamed_cut = [t for c in client.completions.create(model=MODEL, prompt="hello", max_tokens=8, logprobs=0,
+                                                         stop=stop, stream=True)
+                    if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed_cut == lp.tokens[:4]
+
+
 def test_openai_sdk_surfaces_errors(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as info:

@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.e2e.conftest import MODEL, start_stack
 from slogate.processes import Stack
+from tests.e2e.conftest import MODEL, start_stack
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -58,7 +58,9 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "function_call": "auto"}, "function_call", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "guided_json": {"type": "object"}}, "guided_json", ["unknown parameter"]),
     ({"model": MODEL, "messages": MSGS, "repetition_penalty": 1.2}, "repetition_penalty", ["unknown parameter"]),
-    ({"model": MODEL, "messages": MSGS, "top_logprobs": 5}, "top_logprobs", ["not supported"]),
+    ({"model": MODEL, "messages": MSGS, "top_logprobs": 5}, "top_logprobs", ["needs 'logprobs': true"]),
+    ({"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs", ["0 to 20"]),
+    ({"model": MODEL, "messages": MSGS, "logprobs": 3}, "logprobs", ["true or false", "top_logprobs"]),
     ({"model": MODEL, "messages": MSGS, "modalities": ["text", "audio"]}, "modalities", ["only text"]),
     ({"model": MODEL, "messages": MSGS, "audio": {"voice": "alloy", "format": "wav"}}, "audio", ["only text"]),
     ({"model": MODEL, "messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options",
@@ -93,6 +95,11 @@ async def test_completions_missing_prompt_or_best_of_above_one(stack: Stack) -> 
         "model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}})
     assert status == 400
     assert_error(resp, "response_format.type", "not supported")
+    for logprobs in (6, -1, True):
+        status, resp, _ = await call(stack, "/v1/completions", json_body={
+            "model": MODEL, "prompt": "hi", "logprobs": logprobs})
+        assert status == 400
+        assert_error(resp, "logprobs", "from 0 to 5")
 
 
 async def test_malformed_json(stack: Stack) -> None:

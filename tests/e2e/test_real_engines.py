@@ -70,6 +70,27 @@ def test_both_pools_give_the_same_greedy_answer(engines_stack) -> None:
     assert answers["interactive"] == answers["batch"]
 
 
+def test_log_probabilities_are_the_same_streamed_or_not_and_their_bytes_make_the_text(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    for cls in ("interactive", "batch"):
+        args = dict(model=model, messages=PROMPT, max_tokens=16, temperature=0, logprobs=True, top_logprobs=3,
+                    extra_headers={"x-slogate-class": cls})
+        full = client.chat.completions.create(**args)
+        entries = full.choices[0].logprobs.content
+        assert len(entries) == full.usage.completion_tokens == 16
+        assert all(e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob
+                   and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in entries), "greedy"
+        joined = b"".join(bytes(e.bytes) for e in entries)
+        assert joined.decode("utf-8", "replace") == full.choices[0].message.content
+        streamed = [e for c in client.chat.completions.create(**args, stream=True)
+                    if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert [e.token for e in streamed] == [e.token for e in entries], cls
+        assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+        assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs]
+                                                                         for e in entries]
+
+
 def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> None:
     """A special token's text in content is several plain tokens, not the one marker that
     would open a forged turn."""

@@ -328,3 +328,48 @@ def test_prepared_requests_are_served_as_unprepared_ones(make_engine: MakeEngine
     assert _tokens([o for o in outputs if o.request_id == "p"])["p"] == reference[PROMPTS[1]]
     error = next(o for o in outputs if o.request_id == "broken")
     assert error.error_status == 400 and "cannot tokenize" in error.error
+
+
+@pytest.mark.parametrize("which", ["paged", "stream"])
+def test_logprobs_are_the_models_own_as_generate_gives_them(tiny_model_dir: Path, engine_device: str,
+                                                           which: str) -> None:
+    """Sampled with temperature and penalties, the log-probabilities are still the raw model's:
+    transformers' logits for the same tokens (teacher-forced), log-softmaxed."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).to(engine_device).eval()
+    build = create if which == "paged" else stream_create
+    engine = build(str(tiny_model_dir), dtype="fp32", device=engine_device, num_blocks=256)
+    sampling = {
+        "greedy": SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),
+        "sampled": SamplingParams(max_tokens=12, temperature=1.3, seed=7, presence_penalty=1.0,
+                                  ignore_eos=True, logprobs=0),
+        "none": SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    }
+    prompt = PROMPTS[3]
+    for rid, params in sampling.items():
+        engine.add_request(_request(rid, prompt, params))
+    outputs = _drain(engine)
+    tokens = _tokens(outputs)
+    by_request: dict[str, list] = {}
+    for out in outputs:
+        by_request.setdefault(out.request_id, []).extend(out.logprobs)
+    assert by_request["none"] == []
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(engine_device)
+    for rid in ("greedy", "sampled"):
+        entries = by_request[rid]
+        assert len(entries) == len(tokens[rid]) == 12, "one for each token sampled"
+        full = torch.cat([ids, torch.tensor([tokens[rid]], device=engine_device)], dim=1)
+        with torch.no_grad():
+            expected = torch.log_softmax(model(full).logits[0, ids.shape[1] - 1 : -1].float(), dim=-1)
+        for step, (entry, token) in enumerate(zip(entries, tokens[rid])):
+            assert entry.logprob == pytest.approx(expected[step, token].item(), abs=1e-4)
+            assert entry.raw == tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token)]).encode() \
+                or "\ufffd" in entry.token
+            if rid == "greedy":
+                best = expected[step].topk(3)
+                assert [t[0] for t in entry.top] == [entry.token] + [tokenizer.decode([i]) for i in best.indices[1:]]
+                assert [t[2] for t in entry.top] == pytest.approx(best.values.tolist(), abs=1e-4)
+                assert entry.top[0][2] == entry.logprob
+            else:
+                assert entry.top == []
+    assert "".join(e.token for e in by_request["greedy"]) == tokenizer.decode(tokens["greedy"])

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
-from engines.runtime.sampling import make_generator, sample
+from engines.runtime.sampling import make_generator, sample, token_logprobs
 from slogate.protocol import SamplingParams
 
 V = 50
@@ -157,3 +160,13 @@ def test_every_bit_of_a_seed_counts() -> None:
     seeds = [0, 1, 2**32, 2**32 + 1, 2**63 - 1, -1, -(2**63)]
     assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
     assert draws(2**32) == draws(2**32)
+
+
+def test_logprobs_are_the_raw_distributions_each_row_with_its_own_top():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    found = token_logprobs(logits, [0, 2], [1, 3], [2, 0])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert found[0][0] == pytest.approx(expected[0, 1].item())
+    assert [i for i, _ in found[0][1]] == [0, 1]
+    assert [v for _, v in found[0][1]] == pytest.approx(expected[0, :2].tolist())
+    assert found[1] == (pytest.approx(math.log(0.25)), [])

@@ -1,0 +1,64 @@
+"""Each token's own text and exact bytes, as log-probabilities show them.
+
+Decoding one token alone gives its text, but a byte-level token inside a character (Chinese,
+emoji) decodes to U+FFFD, and the client cannot put the character back together from that.
+OpenAI's answer is each token's bytes. Byte-level BPE (GPT-2, Llama 3, Qwen) spells a token's
+bytes as printable characters, one for each, and SentencePiece with byte fallback (Llama 2,
+Mistral) has a token ``<0xHH>`` for each byte: both are mapped back to the bytes exactly. For
+other tokenizers the bytes are the decoded text's.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_CACHED = 1 << 16
+"""Tokens whose pieces are kept (a vocabulary's common ones; each costs a decode to find)."""
+
+
+def _byte_level_table() -> dict[str, int]:
+    """The character byte-level BPE writes for each byte (GPT-2's table), reversed."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class TokenPieces:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        kind = repr(decoder)
+        self._byte_level = _byte_level_table() if "ByteLevel" in kind else None
+        self._byte_fallback = "ByteFallback" in kind
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        """The token's text (U+FFFD where it holds part of a character) and bytes."""
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._piece(token_id)
+            if len(self._cache) < _CACHED:
+                self._cache[token_id] = found
+        return found
+
+    def _piece(self, token_id: int) -> tuple[str, bytes]:
+        name = self._tokenizer.convert_ids_to_tokens(token_id)
+        if name is None:  # beyond the tokenizer's vocabulary (a model may pad its logits)
+            return "", b""
+        if token_id in self._tokenizer.all_special_ids:
+            return name, name.encode()
+        if self._byte_level is not None and all(c in self._byte_level for c in name):
+            raw = bytes(self._byte_level[c] for c in name)
+            return raw.decode("utf-8", "replace"), raw
+        if self._byte_fallback and (m := _BYTE_TOKEN.fullmatch(name)):
+            raw = bytes([int(m.group(1), 16)])
+            return raw.decode("utf-8", "replace"), raw
+        text = name.replace("\u2581", " ") if self._byte_fallback else self._tokenizer.decode([token_id])
+        return text, text.encode()

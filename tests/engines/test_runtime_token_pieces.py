@@ -1,0 +1,42 @@
+"""Each token's bytes put back together exactly what the text was, characters split or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from engines.runtime.token_pieces import TokenPieces
+
+TEXT = "risk 风险 score 🙂 ok"
+
+
+def test_byte_level_tokens_give_their_bytes_even_inside_a_character(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pieces = TokenPieces(tokenizer)
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    got = [pieces(i) for i in ids]
+    assert b"".join(raw for _, raw in got) == TEXT.encode()
+    assert any(text == "\ufffd" or "\ufffd" in text for text, _ in got), "the emoji is split into bytes"
+    assert all(text == raw.decode() for text, raw in got if "\ufffd" not in text)
+    eos = tokenizer.eos_token_id
+    assert pieces(eos) == (tokenizer.eos_token, tokenizer.eos_token.encode())
+    assert pieces(len(tokenizer) + 5) == ("", b""), "a padded logit beyond the vocabulary"
+
+
+def test_sentencepiece_byte_fallback_tokens_give_their_byte() -> None:
+    words = ["\u2581", "r", "i", "s", "k", "o", "\u2581r", "\u2581ri", "\u2581ris", "\u2581risk", "\u2581o", "\u2581ok"]
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, **{w: 257 + i for i, w in enumerate(words)}}
+    merges = [("\u2581", "r"), ("\u2581r", "i"), ("\u2581ri", "s"), ("\u2581ris", "k"),
+              ("\u2581", "o"), ("\u2581o", "k")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    pieces = TokenPieces(tokenizer)
+    ids = tokenizer("risk 风 ok", add_special_tokens=False).input_ids
+    got = [pieces(i) for i in ids]
+    assert got[0] == (" risk", b" risk")
+    assert [raw for _, raw in got[2:5]] == [bytes([b]) for b in "风".encode()], "one token a byte"
+    assert b"".join(raw for _, raw in got) == " risk 风 ok".encode()
