@@ -18,6 +18,7 @@ from slogate.protocol import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
 MAX_COMPLETION_LOGPROBS = 5
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -177,8 +178,6 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request("only n=1 is supported; send one request per completion", "n", "unsupported_value")
     if raw.tools:
         raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
-    if raw.logit_bias:
-        raise bad_request("logit_bias is not supported by this gateway", "logit_bias", "unsupported_value")
     if raw.response_format is not None and raw.response_format.type != "text":
         raise bad_request(f"response_format '{raw.response_format.type}' is not supported: this gateway does "
                           "not constrain output to JSON (only 'text')", "response_format.type",
@@ -228,7 +227,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
         top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
-        frequency_penalty=frequency, logprobs=_logprobs(raw))
+        frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias))
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
@@ -262,6 +261,24 @@ def _logprobs(raw: ChatBody | CompletionBody) -> int | None:
     if top and not raw.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if raw.logprobs else None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """Token id (a decimal string, as JSON keys are) -> what to add to its logit, -100 to 100."""
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= 2**31:
+            raise bad_request(f"'logit_bias' keys must be token ids (0 to {2**31 - 1}, as strings), got {key!r}",
+                              "logit_bias")
+        if not math.isfinite(value) or not -100 <= value <= 100:
+            raise bad_request(f"'logit_bias' values must be from -100 to 100, got {value} for token {key}",
+                              "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _ranged(value: float | None, name: str, lo: float, hi: float, default: float) -> float:

@@ -47,6 +47,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     """None: no log-probabilities; k: each sampled token's, with the k likeliest at its place."""
+    logit_bias: dict[int, float] = {}
+    """Added to a token's logit before sampling (OpenAI's ``logit_bias``, by token id)."""
 
     @property
     def deterministic(self) -> bool:

@@ -105,11 +105,13 @@ class PagedEngine:
             self._pending.append(_error(request.id, f"cannot tokenize the request: {exc}"))
             return
         vocab = self.loaded.vocab_size
-        beyond = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
-        if beyond:
-            self._pending.append(_error(request.id, f"'stop_token_ids' holds {beyond[0]}, beyond this model's "
-                                                    f"vocabulary (token ids 0 to {vocab - 1})"))
-            return
+        for name, ids in (("stop_token_ids", request.sampling.stop_token_ids),
+                          ("logit_bias", request.sampling.logit_bias)):
+            beyond = [t for t in ids if not 0 <= t < vocab]
+            if beyond:
+                self._pending.append(_error(request.id, f"'{name}' holds {beyond[0]}, beyond this model's "
+                                                        f"vocabulary (token ids 0 to {vocab - 1})"))
+                return
         seq = Sequence(request.id, list(prompt_ids), request.sampling, request.deadline)
         reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
         if reason:

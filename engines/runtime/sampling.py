@@ -66,7 +66,7 @@ def sample(
     adjusted = [
         i
         for i, p in enumerate(params)
-        if p.presence_penalty or p.frequency_penalty or len(histories[i]) < p.min_tokens
+        if p.presence_penalty or p.frequency_penalty or p.logit_bias or len(histories[i]) < p.min_tokens
     ]
     if not adjusted and all(is_greedy(p) for p in params):
         return logits.argmax(dim=-1).tolist()
@@ -89,12 +89,16 @@ def sample(
 def _adjust_row(
     row: torch.Tensor, params: SamplingParams, history: Sequence[int], eos_token_ids: Collection[int]
 ) -> None:
-    """Penalties as OpenAI defines them (over the output so far), then the min_tokens ban."""
+    """Penalties as OpenAI defines them (over the output so far), the logit bias, then the
+    min_tokens ban."""
     if history and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(
             torch.tensor(history, device=row.device), minlength=row.shape[0]
         )[: row.shape[0]].to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(params.logit_bias.values()), device=row.device, dtype=row.dtype)
     banned = banned_tokens(params, len(history), eos_token_ids)
     if banned:
         row[torch.tensor(banned, device=row.device)] = float("-inf")

@@ -45,8 +45,8 @@ async def test_chat_non_streamed(stack: Stack) -> None:
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 6
 
 
-async def test_text_response_format_and_empty_logit_bias_are_accepted(stack: Stack) -> None:
-    """What asks for nothing this gateway cannot do is served; a JSON format or a bias is refused
+async def test_text_response_format_and_empty_tools_are_accepted(stack: Stack) -> None:
+    """What asks for nothing this gateway cannot do is served; a JSON format or tools are refused
     (``test_bad_input``)."""
     body = {**CHAT, "response_format": {"type": "text"}, "logit_bias": {}, "functions": [], "tool_choice": "none",
             "top_logprobs": 0, "modalities": ["text"], "metadata": {"team": "risk"}, "store": False,

@@ -10,6 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 import redis
+from transformers import AutoTokenizer
 
 from slogate import protocol
 from slogate.local_redis import LocalRedis
@@ -89,6 +90,22 @@ def test_log_probabilities_are_the_same_streamed_or_not_and_their_bytes_make_the
         assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
         assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs]
                                                                          for e in entries]
+
+
+def test_logit_bias_forces_a_token_in_both_pools_and_one_beyond_the_vocabulary_is_a_400(engines_stack,
+                                                                                        tiny_model_dir: Path) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    [forced] = tokenizer(" risk", add_special_tokens=False).input_ids
+    for cls in ("interactive", "batch"):
+        answer = client.completions.create(model=model, prompt="score", max_tokens=5, temperature=0,
+                                           logit_bias={str(forced): 100}, extra_headers={"x-slogate-class": cls})
+        assert answer.choices[0].text == " risk" * 5, cls
+        with pytest.raises(openai.BadRequestError, match="beyond this model's vocabulary"):
+            client.completions.create(model=model, prompt="score", max_tokens=5,
+                                      logit_bias={str(len(tokenizer) + 10_000): 1},
+                                      extra_headers={"x-slogate-class": cls})
 
 
 def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> None:

@@ -229,12 +229,14 @@ def test_a_stop_token_beyond_the_vocabulary_fails_only_its_own_request(make_engi
     vocab = engine.loaded.vocab_size
     bad = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[3, vocab])
     engine.add_request(_request("bad", PROMPTS[0], bad))
+    engine.add_request(_request("biased", PROMPTS[0], SamplingParams(max_tokens=8, logit_bias={vocab + 1: 5.0})))
     engine.add_request(_request("ok", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2,
                                                                   stop_token_ids=[vocab - 1])))
     outputs = _drain(engine)
-    [error] = [o for o in outputs if o.error]
-    assert error.request_id == "bad" and error.error_status == 400
-    assert f"'stop_token_ids' holds {vocab}" in error.error
+    errors = {o.request_id: o for o in outputs if o.error}
+    assert errors.keys() == {"bad", "biased"} and all(e.error_status == 400 for e in errors.values())
+    assert f"'stop_token_ids' holds {vocab}" in errors["bad"].error
+    assert f"'logit_bias' holds {vocab + 1}" in errors["biased"].error
     assert any(o.request_id == "ok" and o.finish_reason == "length" for o in outputs)
     _assert_pool_clean(engine)
 

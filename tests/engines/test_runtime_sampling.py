@@ -170,3 +170,15 @@ def test_logprobs_are_the_raw_distributions_each_row_with_its_own_top():
     assert [i for i, _ in found[0][1]] == [0, 1]
     assert [v for _, v in found[0][1]] == pytest.approx(expected[0, :2].tolist())
     assert found[1] == (pytest.approx(math.log(0.25)), [])
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_but_not_the_raw_logits():
+    raw = logits(2, seed=3)
+    before = raw.clone()
+    worst = [int(i) for i in raw.argmin(dim=-1)]
+    best = [int(i) for i in raw.argmax(dim=-1)]
+    params = [SamplingParams(temperature=0, logit_bias={worst[0]: 100.0}),
+              SamplingParams(temperature=1.0, seed=1, logit_bias={best[1]: -100.0, worst[1]: 100.0})]
+    tokens = sample(raw, params, [make_generator(p, "cpu") for p in params], [[], []])
+    assert tokens == worst
+    assert torch.equal(raw, before), "log-probabilities are read from the model's own logits"
