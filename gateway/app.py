@@ -232,13 +232,13 @@ def _resources(cfg: Config):
                         "configure api_keys for anything but local use")
         app[STATE] = state
         await state.directory.refresh()
-        learned = state.admission.prompt_tokens
-        await prompt_ratios.restore(commands, learned)
+        await prompt_ratios.restore(commands, state.admission.prompt_tokens)
+        ratios = prompt_ratios.RatioSaver(commands, state.admission.prompt_tokens)
         tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run(state.fail_unserved)),
-                 asyncio.create_task(prompt_ratios.keep_saved(commands, learned))]
+                 asyncio.create_task(ratios.run())]
         yield
         await cancel_and_wait(tasks)
-        await prompt_ratios.save(commands, learned)
+        await ratios.save()
         await state.audit.close()
         await state.mux.close()
         await reader.aclose()

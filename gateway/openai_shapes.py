@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 import msgspec
@@ -27,15 +28,39 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
             "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
-    """``text_offset``: where the first entry's token starts in the completion."""
-    offsets = []
-    for e in entries:
-        offsets.append(text_offset)
-        text_offset += len(e.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{e.token: e.logprob, **{t: lp for t, _, lp in e.top}} for e in entries],
-            "text_offset": offsets}
+class TextOffsets:
+    """Where each token starts in the completion, in characters, from the tokens' bytes: a
+    token inside a character starts where that character does."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def __call__(self, raw: bytes) -> int:
+        start = self._chars
+        self._chars += len(self._decoder.decode(raw))
+        return start
+
+
+def _legacy_token(token: str, raw: bytes) -> str:
+    """A token that is not whole UTF-8 text named by its bytes (``bytes:\\xe9\\xa3``), as
+    OpenAI's completions name them: completions carry no bytes of their own, and ``top_logprobs``
+    is keyed by token, where every such token would otherwise be the same U+FFFD."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return token
+
+
+def completion_logprobs(entries: list[TokenLogprob], offsets: TextOffsets | None = None) -> dict[str, Any]:
+    """``offsets``: the completion's so far, for a stream's chunk after the first."""
+    offsets = offsets or TextOffsets()
+    tokens = [_legacy_token(e.token, e.raw) for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token: e.logprob, **{_legacy_token(t, raw): lp for t, raw, lp in e.top}}
+                             for token, e in zip(tokens, entries)],
+            "text_offset": [offsets(e.raw) for e in entries]}
 
 
 def full_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
@@ -60,8 +85,8 @@ class ChunkWriter:
 
     def __init__(self, kind: str, rid: str, created: int, model: str) -> None:
         self.kind = kind
-        self.text_offset = 0
-        """Where the next token starts in the completion (for completions' log-probabilities)."""
+        self.offsets = TextOffsets()
+        """Where the tokens start in the completion (for completions' log-probabilities)."""
         self.head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
                      "created": created, "model": model}
 
@@ -79,10 +104,7 @@ class ChunkWriter:
             return self._frame([{"index": 0, "delta": {"content": text},
                                  "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                                  "finish_reason": None}], **extra)
-        shown = None
-        if logprobs is not None:
-            shown = completion_logprobs(logprobs, self.text_offset)
-            self.text_offset += sum(len(e.token) for e in logprobs)
+        shown = None if logprobs is None else completion_logprobs(logprobs, self.offsets)
         return self._frame([{"index": 0, "text": text, "logprobs": shown, "finish_reason": None}], **extra)
 
     def finish(self, finish_reason: str) -> bytes:

@@ -58,7 +58,7 @@ class Relay:
     def _new_attempt(self, rec: Delta | Final | Error) -> None:
         first = self.attempt == 0
         self.attempt = rec.attempt
-        if first or self.deterministic or not self.text:
+        if first or self.deterministic or (not self.text and not self.tokens):
             return
         if self.streamed:
             raise SplicedOutput("the worker serving this request failed after streaming part of "

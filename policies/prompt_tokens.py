@@ -57,8 +57,8 @@ def prior_estimate(chars: int, messages: int) -> int:
 class PromptTokens:
     _sums: dict[tuple[str, str | None], list[float]] = field(default_factory=dict)
     """(model, key or None for all keys) -> [decayed tokens beyond the template, decayed characters]."""
-    observed: int = 0
-    """Prompts learned from so far (what tells a saver there is something new)."""
+    _changed: set[tuple[str, str | None]] = field(default_factory=set)
+    """Ratios learned since the last ``take_changes``."""
 
     def _tokens_per_char(self, model: str, key: str | None) -> float:
         sums = self._sums.get((model, key))
@@ -84,31 +84,37 @@ class PromptTokens:
         text_tokens = tokens - TOKENS_PER_MESSAGE * messages
         if chars < MIN_CHARS or text_tokens <= 0:
             return
-        self.observed += 1
         for who in (key, None):
             sums = self._sums.setdefault((model, who), [0.0, 0.0])
             sums[0] = DECAY * sums[0] + text_tokens
             sums[1] = DECAY * sums[1] + chars
+            self._changed.add((model, who))
 
-    def saved(self) -> dict[bytes, bytes]:
-        """Every ratio's sums, as ``restore`` takes them: JSON ``[model, key]`` -> ``[tokens, chars]``."""
-        return {_json.encode([model, key]): _json.encode(sums) for (model, key), sums in self._sums.items()}
+    def take_changes(self, now: float) -> dict[bytes, bytes]:
+        """The ratios learned since the last call, as ``restore`` takes them: JSON ``[model,
+        key]`` -> ``[tokens, chars, now]``. Only those: a ratio this gateway took up and never
+        learned more of must not overwrite what another gateway learned since."""
+        changed, self._changed = self._changed, set()
+        return {_json.encode([model, key]): _json.encode([*self._sums[(model, key)], now]) for model, key in changed}
 
-    def restore(self, saved: Mapping[bytes, bytes]) -> int:
-        """Take up sums another gateway saved, for every ratio this one has learned nothing of;
-        entries it cannot read are skipped. Returns how many it took."""
-        taken = 0
+    def restore(self, saved: Mapping[bytes, bytes], now: float, max_age_s: float) -> tuple[int, list[bytes]]:
+        """Take up sums other gateways saved within ``max_age_s``, for every ratio this one has
+        learned nothing of. Returns how many it took, and the names of entries too old or
+        unreadable (for the caller to delete)."""
+        taken, stale = 0, []
         for name, value in saved.items():
             try:
                 model, key = msgspec.json.decode(name, type=tuple[str, str | None])
-                tokens, chars = msgspec.json.decode(value, type=tuple[float, float])
+                tokens, chars, at = msgspec.json.decode(value, type=tuple[float, float, float])
             except msgspec.DecodeError:
+                stale.append(name)
                 continue
-            if (model, key) in self._sums or not (0 < tokens and 0 < chars) or not math.isfinite(tokens + chars):
-                continue
-            self._sums[(model, key)] = [tokens, chars]
-            taken += 1
-        return taken
+            if not (0 < tokens and 0 < chars and math.isfinite(tokens + chars)) or now - at > max_age_s:
+                stale.append(name)
+            elif (model, key) not in self._sums:
+                self._sums[(model, key)] = [tokens, chars]
+                taken += 1
+        return taken, stale
 
 
 _json = msgspec.json.Encoder()

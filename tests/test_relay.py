@@ -73,3 +73,16 @@ def test_a_non_deterministic_retry_restarts_the_log_probabilities_too() -> None:
     feed(relay, Delta("ab", 0, logprobs=[lp("a"), lp("b")]))
     feed(relay, Delta("x", 0, attempt=2, logprobs=[lp("x")]))
     assert relay.text == "x" and [e.token for e in relay.logprobs] == ["x"] and relay.tokens == 1
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_retry_after_log_probabilities_alone_is_not_spliced_onto_them(streamed: bool) -> None:
+    """A first token inside a character sends its log-probability and no text yet."""
+    relay = Relay(streamed=streamed, deterministic=False)
+    assert relay.accept(Delta("", 0, logprobs=[lp("\ufffd")])) == ""
+    if streamed:
+        with pytest.raises(SplicedOutput):
+            relay.accept(Delta("Hi", 0, attempt=2, logprobs=[lp("H"), lp("i")]))
+        return
+    assert relay.accept(Delta("Hi", 0, attempt=2, logprobs=[lp("H"), lp("i")])) == "Hi"
+    assert [e.token for e in relay.logprobs] == ["H", "i"]

@@ -14,6 +14,7 @@ import torch
 from slogate.protocol import SamplingParams
 
 _GREEDY_BELOW = 1e-5
+LOGPROB_FLOOR = -9999.0
 
 
 _MASK64 = 2**64 - 1
@@ -180,7 +181,8 @@ def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[i
     its ``top`` likeliest tokens with theirs, likeliest first. From the model's own
     distribution (the raw logits), not the one temperature or penalties drew from: what a
     client scores by is what the model thinks, whatever the request sampled with."""
-    logprobs = torch.log_softmax(logits[list(rows)].to(torch.float32), dim=-1)
+    # JSON has no -inf (a masked logit): the floor vLLM answers with instead
+    logprobs = torch.log_softmax(logits[list(rows)].to(torch.float32), dim=-1).clamp(min=LOGPROB_FLOOR)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
     width = max(top, default=0)
     if width == 0:

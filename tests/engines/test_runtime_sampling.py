@@ -170,6 +170,9 @@ def test_logprobs_are_the_raw_distributions_each_row_with_its_own_top():
     assert [i for i, _ in found[0][1]] == [0, 1]
     assert [v for _, v in found[0][1]] == pytest.approx(expected[0, :2].tolist())
     assert found[1] == (pytest.approx(math.log(0.25)), [])
+    masked = torch.tensor([[0.0, float("-inf"), float("-inf")]])
+    [(chosen, top)] = token_logprobs(masked, [0], [1], [3])
+    assert chosen == -9999.0 and sorted(top) == [(0, 0.0), (1, -9999.0), (2, -9999.0)]
 
 
 def test_logit_bias_moves_greedy_and_sampled_rows_but_not_the_raw_logits():

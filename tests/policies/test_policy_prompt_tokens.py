@@ -63,12 +63,29 @@ def test_a_gateway_takes_up_what_another_saved_but_keeps_what_it_learned_itself(
     for _ in range(50):
         before.observe("chinese", "k", 300, 1, 304)
         before.observe("chinese", "j", 1200, 1, 304)
-    saved = before.saved()
+    saved = before.take_changes(now=1000.0)
     later = PromptTokens()
     for _ in range(50):
         later.observe("chinese", "j", 600, 1, 304)  # j's traffic changed: two characters a token now
-    bad = {b'["m", null]': b'[0, 0]', b'["m", "x"]': b'[1e400, 1]', b'not json': b'[1, 2]', b'["m", "y"]': b'"2"'}
-    assert later.restore({**saved, **bad}) == 1, "k alone: j and the pool it learned itself, the rest unreadable"
+    bad = {b'["m", null]': b'[0, 0, 1000]', b'["m", "x"]': b'[1e400, 1, 1000]', b'not json': b'[1, 2, 1000]',
+           b'["m", "y"]': b'"2"', b'["m", "old"]': b'[1, 1, 10]'}
+    taken, stale = later.restore({**saved, **bad}, now=1010.0, max_age_s=100.0)
+    assert taken == 1, "k alone: j and the pool it learned itself"
+    assert sorted(stale) == sorted(bad), "unreadable, impossible or too old: for the caller to delete"
     assert later.chars_per_token("chinese", "k") == pytest.approx(1.0)
     assert later.chars_per_token("chinese", "j") == pytest.approx(2.0)
     assert later.estimate("m", "x", 400, 0) == 100
+
+
+def test_a_gateway_saves_only_what_it_learned_not_what_it_took_up() -> None:
+    """Else a gateway that took k's ratio up at its start would write it back every save, over
+    what another gateway learned of k since."""
+    b = PromptTokens()
+    for _ in range(50):
+        b.observe("m", "k", 1200, 1, 304)
+    a = PromptTokens()
+    a.restore(b.take_changes(now=0.0), now=0.0, max_age_s=100.0)
+    assert a.take_changes(now=1.0) == {}
+    a.observe("m", "j", 300, 1, 304)
+    assert {name for name in a.take_changes(now=2.0)} == {b'["m","j"]', b'["m",null]'}
+    assert a.take_changes(now=3.0) == {}
