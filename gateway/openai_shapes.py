@@ -38,6 +38,9 @@ class TextOffsets:
 
     def __call__(self, raw: bytes) -> int:
         start = self._chars
+        unfinished = self._decoder.getstate()[0]
+        if unfinished and raw and raw[0] & 0xC0 != 0x80:  # it will not be finished: a U+FFFD before this token
+            start += len(unfinished.decode("utf-8", "replace"))
         self._chars += len(self._decoder.decode(raw))
         return start
 

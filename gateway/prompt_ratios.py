@@ -11,6 +11,7 @@ nobody learned for ``KEEP_S`` is dropped when a gateway starts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,18 +27,28 @@ SAVE_EVERY_S = 10.0
 KEEP_S = 7 * 86400
 
 
+_DROP_UNCHANGED = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+"""
+"""Delete the stale entries read (ARGV: name, value, ...) unless a gateway rewrote them since."""
+
+
 async def restore(redis: aioredis.Redis, tokens: PromptTokens) -> None:
     try:
         saved = await redis.hgetall(keys.PROMPT_RATIOS)
-        taken, stale = tokens.restore(saved, time.time(), KEEP_S)
-        if stale:
-            await redis.hdel(keys.PROMPT_RATIOS, *stale)
     except (RedisError, OSError) as exc:
         log.warning("learned prompt ratios could not be read; prompts are priced at the prior until "
                     "relearned: %s", exc)
         return
+    taken, stale = tokens.restore(saved, time.time(), KEEP_S)
     if taken:
         log.info("took up %d learned prompt ratio(s) from %s", taken, keys.PROMPT_RATIOS)
+    if stale:
+        with contextlib.suppress(RedisError, OSError):  # the next gateway to start drops them
+            pairs = [x for name in stale for x in (name, saved[name])]
+            await redis.eval(_DROP_UNCHANGED, 1, keys.PROMPT_RATIOS, *pairs)
 
 
 @dataclass

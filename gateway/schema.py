@@ -272,7 +272,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     out = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= 2**31:
-            raise bad_request(f"'logit_bias' keys must be token ids (0 to {2**31 - 1}, as strings), got {key!r}",
+            shown = key if len(key) <= 24 else key[:24] + "..."
+            raise bad_request(f"'logit_bias' keys must be token ids (0 to {2**31 - 1}, as strings), got {shown!r}",
                               "logit_bias")
         if not math.isfinite(value) or not -100 <= value <= 100:
             raise bad_request(f"'logit_bias' values must be from -100 to 100, got {value} for token {key}",

@@ -28,3 +28,11 @@ def test_a_streams_offsets_run_on_across_its_chunks() -> None:
     entries = split_feng_then_x()
     first, second = writer.text("", None, entries[:1]), writer.text("风x", None, entries[1:])
     assert b'"text_offset":[0]' in first and b'"text_offset":[0,1]' in second
+
+
+def test_a_character_left_unfinished_is_one_before_the_next_token_and_a_special_token_is_none() -> None:
+    entries = [TokenLogprob("\ufffd", FENG[:1], -1.0), TokenLogprob("a", b"a", -1.0),
+               TokenLogprob("<|im_end|>", b"", -1.0), TokenLogprob("b", b"b", -1.0)]
+    shown = completion_logprobs(entries)
+    assert shown["text_offset"] == [0, 1, 2, 2], "the text is U+FFFD, a, b"
+    assert shown["tokens"] == ["bytes:\\xe9", "a", "<|im_end|>", "b"]

@@ -22,6 +22,18 @@ async def test_a_starting_gateway_takes_up_recent_ratios_and_drops_old_ones(redi
     await prompt_ratios.restore(client, tokens)
     assert tokens.estimate("m", "k", 400, 0) == 200 and tokens.estimate("m", "gone", 400, 0) == 100
     assert await client.hkeys(keys.PROMPT_RATIOS) == [b'["m","k"]']
+    stale = f"[1, 2, {now - prompt_ratios.KEEP_S - 60}]".encode()
+    await client.hset(keys.PROMPT_RATIOS, b'["m","old"]', stale)
+    read = client.hgetall
+
+    async def rewritten_meanwhile(name):  # another gateway saves a fresh figure after this one read
+        saved = await read(name)
+        await client.hset(name, b'["m","old"]', f"[1, 2, {now}]")
+        return saved
+
+    client.hgetall = rewritten_meanwhile
+    await prompt_ratios.restore(client, PromptTokens())
+    assert await client.hexists(keys.PROMPT_RATIOS, b'["m","old"]'), "a fresh figure is not dropped as stale"
     await client.aclose()
 
 

@@ -5,7 +5,8 @@ emoji) decodes to U+FFFD, and the client cannot put the character back together 
 OpenAI's answer is each token's bytes. Byte-level BPE (GPT-2, Llama 3, Qwen) spells a token's
 bytes as printable characters, one for each, and SentencePiece with byte fallback (Llama 2,
 Mistral) has a token ``<0xHH>`` for each byte: both are mapped back to the bytes exactly. For
-other tokenizers the bytes are the decoded text's.
+other tokenizers the bytes are the decoded text's. A special token keeps its name as its text
+but has no bytes: the completion's text leaves it out, and the bytes must add up to that text.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class TokenPieces:
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
-        """The token's text (U+FFFD where it holds part of a character) and bytes."""
+        """The token's text (U+FFFD where it holds part of a character) and the bytes it adds
+        to the completion's text."""
         found = self._cache.get(token_id)
         if found is None:
             found = self._piece(token_id)
@@ -53,7 +55,7 @@ class TokenPieces:
         if name is None:  # beyond the tokenizer's vocabulary (a model may pad its logits)
             return "", b""
         if token_id in self._tokenizer.all_special_ids:
-            return name, name.encode()
+            return name, b""
         if self._byte_level is not None and all(c in self._byte_level for c in name):
             raw = bytes(self._byte_level[c] for c in name)
             return raw.decode("utf-8", "replace"), raw
