@@ -129,6 +129,38 @@ async def test_deadline_expiry_streamed_is_an_sse_error(slow_stack: Stack) -> No
                for e in events), "tokens before the deadline should have streamed"
 
 
+async def test_a_record_lost_between_worker_and_gateway_ends_the_stream_with_an_error(slow_stack: Stack) -> None:
+    """Records carry their offsets: one that never reaches the gateway (here deleted from its
+    reply stream while the gateway is stopped) is a 502 in the stream, never a hole in the text."""
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    gateway = slow_stack.procs[0]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_stack.url + "/v1/chat/completions", json=body(60, stream=True, prompt="lost")) as r:
+            assert r.status == 200
+            first = await r.content.readline()
+            def replies() -> list[bytes]:  # this gateway's, once the worker has written to it
+                return [k for k in client.scan_iter("slogate:r:*")
+                        if client.exists(k.replace(b"slogate:r:", b"slogate:alive:"))]
+
+            wait_for(replies, 5, "the worker's first record")
+            [reply] = replies()
+            os.kill(gateway.pid, signal.SIGSTOP)
+            try:
+                written = client.xlen(reply)
+                wait_for(lambda: client.xlen(reply) >= written + 3, 5, "records the gateway has not read")
+                lost = client.xrange(reply, "-", "+")[-2][0]
+                client.xdel(reply, lost)
+            finally:
+                os.kill(gateway.pid, signal.SIGCONT)
+            events = await sse_events(r)
+    client.close()
+    assert first.startswith(b"data: ")
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_failed"
+    assert "lost on its way from the worker" in errors[0]["error"]["message"]
+    assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+
+
 def _holder_pid(client: redis.Redis, pool: str) -> int:
     pending = client.xpending_range(f"slogate:q:{pool}", "workers", "-", "+", 10)
     assert len(pending) == 1
