@@ -39,10 +39,32 @@ class TextOffsets:
     def __call__(self, raw: bytes) -> int:
         start = self._chars
         unfinished = self._decoder.getstate()[0]
-        if unfinished and raw and raw[0] & 0xC0 != 0x80:  # it will not be finished: a U+FFFD before this token
+        if unfinished and raw and not _continues(unfinished + raw[:1]):  # a U+FFFD of its own, before this token
             start += len(unfinished.decode("utf-8", "replace"))
         self._chars += len(self._decoder.decode(raw))
         return start
+
+
+_SECOND_BYTE = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+"""Lead bytes whose second byte has a narrower range than 80-BF (Unicode's table 3-7)."""
+
+
+def _continues(prefix: bytes) -> bool:
+    """Whether ``prefix`` is the start of a well-formed UTF-8 character. Python's incremental
+    decoder holds some ill-formed pairs (ED A0) until a third byte, though the text it finally
+    gives has a U+FFFD for each of their bytes: the check is the standard's, not the decoder's."""
+    lead = prefix[0]
+    if 0xC2 <= lead <= 0xDF:
+        length = 2
+    elif 0xE0 <= lead <= 0xEF:
+        length = 3
+    elif 0xF0 <= lead <= 0xF4:
+        length = 4
+    else:
+        return len(prefix) == 1 and lead < 0x80
+    low, high = _SECOND_BYTE.get(lead, (0x80, 0xBF))
+    return (len(prefix) <= length and (len(prefix) < 2 or low <= prefix[1] <= high)
+            and all(0x80 <= b <= 0xBF for b in prefix[2:]))
 
 
 def _legacy_token(token: str, raw: bytes) -> str:
@@ -61,9 +83,17 @@ def completion_logprobs(entries: list[TokenLogprob], offsets: TextOffsets | None
     offsets = offsets or TextOffsets()
     tokens = [_legacy_token(e.token, e.raw) for e in entries]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token: e.logprob, **{_legacy_token(t, raw): lp for t, raw, lp in e.top}}
-                             for token, e in zip(tokens, entries)],
+            "top_logprobs": [_top(token, e) for token, e in zip(tokens, entries)],
             "text_offset": [offsets(e.raw) for e in entries]}
+
+
+def _top(token: str, entry: TokenLogprob) -> dict[str, float]:
+    """The sampled token and its alternatives by name: where two share a name, the sampled one's
+    figure, else the likelier's, stands."""
+    top = {token: entry.logprob}
+    for text, raw, logprob in entry.top:
+        top.setdefault(_legacy_token(text, raw), logprob)
+    return top
 
 
 def full_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,

@@ -3,6 +3,8 @@ bytes, so such tokens are named by theirs and placed where their character start
 
 from __future__ import annotations
 
+import random
+
 from gateway.openai_shapes import ChunkWriter, completion_logprobs
 from slogate.protocol import TokenLogprob
 
@@ -36,3 +38,45 @@ def test_a_character_left_unfinished_is_one_before_the_next_token_and_a_special_
     shown = completion_logprobs(entries)
     assert shown["text_offset"] == [0, 1, 2, 2], "the text is U+FFFD, a, b"
     assert shown["tokens"] == ["bytes:\\xe9", "a", "<|im_end|>", "b"]
+
+
+def char_starts(data: bytes) -> list[int]:
+    """For each byte, the index of the character it is part of, as UTF-8 decoding with U+FFFD
+    for each maximal ill-formed part reads them (what Python's "replace" does)."""
+    owner, chars, p = [], 0, 0
+    while p < len(data):
+        width = 1
+        for k in range(1, min(4, len(data) - p) + 1):
+            try:
+                data[p:p + k].decode("utf-8")
+                width = k
+                break
+            except UnicodeDecodeError as exc:
+                if exc.reason != "unexpected end of data":
+                    break
+                width = k  # a well-formed start so far: one U+FFFD for all of it if it never ends
+        owner += [chars] * width
+        chars += 1
+        p += width
+    return owner
+
+
+def test_offsets_agree_with_decoding_the_whole_text_whatever_the_bytes() -> None:
+    pieces = [b"a", b"\xe0", b"\x98", b"\xa3", b"\xe9", b"\xed", b"\xa0", b"\xf0", b"\x9f", b"\x8e", b"\xf4",
+              b"\x90", b"\xc0", b"\xc3", b"\xa9", b"\xf5", b"\xbf", "风".encode(), "风".encode()[:2],
+              "🙂".encode()[:1], "🙂".encode()[1:], "🙂".encode()[2:], b"ok"]
+    rng = random.Random(0)
+    for _ in range(20000):
+        tokens = [rng.choice(pieces) for _ in range(rng.randint(1, 8))]
+        owner = char_starts(b"".join(tokens))
+        expected, at = [], 0
+        for raw in tokens:
+            expected.append(owner[at])
+            at += len(raw)
+        entries = [TokenLogprob("", raw, -1.0) for raw in tokens]
+        assert completion_logprobs(entries)["text_offset"] == expected, tokens
+
+
+def test_alternatives_sharing_a_name_keep_the_sampled_or_the_likelier_figure() -> None:
+    entry = TokenLogprob(" a", b" a", -2.0, [(" b", b" b", -0.5), (" a", b" a", -1.0), (" b", b" b", -3.0)])
+    assert completion_logprobs([entry])["top_logprobs"] == [{" a": -2.0, " b": -0.5}]

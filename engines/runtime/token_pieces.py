@@ -38,6 +38,10 @@ class TokenPieces:
         kind = repr(decoder)
         self._byte_level = _byte_level_table() if "ByteLevel" in kind else None
         self._byte_fallback = "ByteFallback" in kind
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._special = {i for i, t in added.items() if t.special} | set(getattr(tokenizer, "all_special_ids", ()))
+        """What decoding the text leaves out: the named special tokens and those only flagged
+        special (Llama 3's reserved tokens)."""
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
@@ -54,7 +58,7 @@ class TokenPieces:
         name = self._tokenizer.convert_ids_to_tokens(token_id)
         if name is None:  # beyond the tokenizer's vocabulary (a model may pad its logits)
             return "", b""
-        if token_id in self._tokenizer.all_special_ids:
+        if token_id in self._special:
             return name, b""
         if self._byte_level is not None and all(c in self._byte_level for c in name):
             raw = bytes(self._byte_level[c] for c in name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engines.runtime.token_pieces import TokenPieces
@@ -40,3 +40,19 @@ def test_sentencepiece_byte_fallback_tokens_give_their_byte() -> None:
     assert got[0] == (" risk", b" risk")
     assert [raw for _, raw in got[2:5]] == [bytes([b]) for b in "风".encode()], "one token a byte"
     assert b"".join(raw for _, raw in got) == " risk 风 ok".encode()
+
+
+def test_tokens_only_flagged_special_add_no_bytes_and_other_added_tokens_what_decoding_gives(
+        tiny_model_dir: Path) -> None:
+    """As Llama 3's reserved tokens: special in the tokenizer, not one of its named tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([AddedToken("<|reserved_0|>", special=True), AddedToken("<risk>", special=False),
+                          AddedToken("<risk-é>", special=False)])
+    reserved, plain, accented = tokenizer.convert_tokens_to_ids(["<|reserved_0|>", "<risk>", "<risk-é>"])
+    assert reserved not in tokenizer.all_special_ids
+    pieces = TokenPieces(tokenizer)
+    assert pieces(reserved) == ("<|reserved_0|>", b"")
+    assert pieces(plain) == ("<risk>", b"<risk>")
+    ids = tokenizer("hi", add_special_tokens=False).input_ids + [reserved, plain, accented]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert b"".join(pieces(i)[1] for i in ids).decode("utf-8", "replace") == text
