@@ -56,6 +56,8 @@ class StepOutput:
     error_status: int = 500
     error_code: str | None = None
     """OpenAI's error code, where a more precise one than the status's applies."""
+    error_param: str | None = None
+    """The request field at fault, where one is."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One for each of ``token_ids``, when the request asked for log-probabilities."""
 

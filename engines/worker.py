@@ -436,7 +436,7 @@ class Worker:
                 continue
             if out.error is not None:
                 code = out.error_code or ("invalid_request_error" if out.error_status < 500 else "engine_error")
-                self._write(job, Error(out.error, code, out.error_status, job.attempt))
+                self._write(job, Error(out.error, code, out.error_status, job.attempt, out.error_param))
                 self.metrics.finished(code)
             else:
                 generated += out.completion_tokens - job.tokens

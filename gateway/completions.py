@@ -316,7 +316,7 @@ def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
     job.worker_done = rec.attempt != 0  # attempt 0: the gateway's own error; the worker goes on until cancelled
     if isinstance(rec, Error):
         job.outcome, job.status = rec.code, rec.status
-        param = None
+        param = rec.param
         if rec.code == "context_length_exceeded":
             param = "messages" if job.parsed.messages is not None else "prompt"
         return APIError(rec.status, rec.message, param, rec.code)

@@ -125,6 +125,8 @@ class Error(msgspec.Struct, tag="error", omit_defaults=True):
     code: str
     status: int = 500
     attempt: int = 1
+    param: str | None = None
+    """The request field at fault, where the worker knows it."""
     v: int = VERSION
 
 

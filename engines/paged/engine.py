@@ -110,7 +110,7 @@ class PagedEngine:
             beyond = [t for t in ids if not 0 <= t < vocab]
             if beyond:
                 self._pending.append(_error(request.id, f"'{name}' holds {beyond[0]}, beyond this model's "
-                                                        f"vocabulary (token ids 0 to {vocab - 1})"))
+                                                        f"vocabulary (token ids 0 to {vocab - 1})", param=name))
                 return
         seq = Sequence(request.id, list(prompt_ids), request.sampling, request.deadline)
         reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
@@ -235,7 +235,8 @@ def _blend(old: float, new: float) -> float:
     return new if old == 0.0 else (1 - _SMOOTHING) * old + _SMOOTHING * new
 
 
-def _error(request_id: str, message: str, prompt_tokens: int = 0, code: str | None = None) -> StepOutput:
+def _error(request_id: str, message: str, prompt_tokens: int = 0, code: str | None = None,
+           param: str | None = None) -> StepOutput:
     return StepOutput(
         request_id=request_id,
         finish_reason="error",
@@ -243,4 +244,5 @@ def _error(request_id: str, message: str, prompt_tokens: int = 0, code: str | No
         error=message,
         error_status=400,
         error_code=code,
+        error_param=param,
     )

@@ -102,10 +102,11 @@ def test_logit_bias_forces_a_token_in_both_pools_and_one_beyond_the_vocabulary_i
         answer = client.completions.create(model=model, prompt="score", max_tokens=5, temperature=0,
                                            logit_bias={str(forced): 100}, extra_headers={"x-slogate-class": cls})
         assert answer.choices[0].text == " risk" * 5, cls
-        with pytest.raises(openai.BadRequestError, match="beyond this model's vocabulary"):
+        with pytest.raises(openai.BadRequestError, match="beyond this model's vocabulary") as info:
             client.completions.create(model=model, prompt="score", max_tokens=5,
                                       logit_bias={str(len(tokenizer) + 10_000): 1},
                                       extra_headers={"x-slogate-class": cls})
+        assert info.value.param == "logit_bias"
 
 
 def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> None:
