@@ -110,6 +110,12 @@ class SimEngine:
                 error=f"prompt ({n} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
                       f"{total}, beyond the model's context of {self.timing.max_context} tokens"))
             return
+        if request.sampling.json_schema is not None:
+            self._errors.append(StepOutput(
+                request.id, prompt_tokens=n, error_status=400, error_param="response_format",
+                error="the simulated engine writes made-up text and cannot hold it to 'response_format'; "
+                      "serve this model with a real engine (stream or paged)"))
+            return
         basis = request.prompt if request.prompt is not None else repr(request.messages)
         self._waiting.append(_Seq(request, n, zlib.crc32(basis.encode())))
 

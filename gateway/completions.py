@@ -113,6 +113,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         request["audit"]["key"] = caller.key_id
         body = await _read_body(request, state.cfg.max_body_bytes, state.cfg.client_timeout_s)
         parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
+        await schema.check_json_schema(parsed)
         request["audit"]["model"] = parsed.model
         state.keys.check_model(caller, parsed.model)
         _check_model(state, parsed, caller)

@@ -6,14 +6,18 @@ walking); every failure becomes an :class:`APIError` naming the offending field.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from gateway.errors import APIError, bad_request
+from slogate import json_output
 from slogate.protocol import SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -46,8 +50,17 @@ class StreamOptions(msgspec.Struct):
     """vLLM's extension: usage (tokens so far) on every chunk, not only after the last."""
 
 
-class ResponseFormat(msgspec.Struct):
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+    """Accepted: the output is held to the schema whatever it says."""
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True):
@@ -128,6 +141,10 @@ class ParsedRequest:
 
 
 _decoders = {"chat": msgspec.json.Decoder(ChatBody), "completion": msgspec.json.Decoder(CompletionBody)}
+_CHECKED_MAX = 1024
+_checked: OrderedDict[bytes, str | None] = OrderedDict()
+"""What :func:`check_json_schema` found of the schemas it compiled last (None: it compiles)."""
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
@@ -157,7 +174,7 @@ def _validation_error(text: str) -> APIError:
     at = _AT.search(text)
     unknown = _UNKNOWN.search(text)
     if unknown:
-        name = unknown.group(1)
+        name = f"{at.group(1)}.{unknown.group(1)}" if at and at.group(1) else unknown.group(1)
         return bad_request(f"unknown parameter '{name}': this gateway does not support it", name,
                            "unsupported_parameter")
     missing = _MISSING.search(text)
@@ -178,10 +195,6 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request("only n=1 is supported; send one request per completion", "n", "unsupported_value")
     if raw.tools:
         raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
-    if raw.response_format is not None and raw.response_format.type != "text":
-        raise bad_request(f"response_format '{raw.response_format.type}' is not supported: this gateway does "
-                          "not constrain output to JSON (only 'text')", "response_format.type",
-                          "unsupported_value")
     if isinstance(raw, ChatBody):
         if raw.functions or raw.function_call not in (None, "none"):
             raise bad_request("function calling is not supported by this gateway",
@@ -227,7 +240,8 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
         top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
-        frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias))
+        frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias),
+        json_schema=_json_schema(raw.response_format))
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
@@ -280,6 +294,48 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
                               "logit_bias")
         out[int(key)] = float(value)
     return out
+
+
+def _json_schema(fmt: ResponseFormat | None) -> str | None:
+    """The JSON schema (as JSON text) that ``response_format`` holds the output to, or None for
+    free text; whether it compiles is :func:`check_json_schema`'s question."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json_output.ANY_OBJECT
+    if fmt.type != "json_schema":
+        raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {fmt.type!r}",
+                          "response_format.type", "unsupported_value")
+    spec = fmt.json_schema
+    if spec is None:
+        raise bad_request("response_format 'json_schema' needs a 'json_schema' object with its 'name' and "
+                          "'schema'", "response_format.json_schema", "missing_required_parameter")
+    if not _SCHEMA_NAME.fullmatch(spec.name):
+        raise bad_request("'response_format.json_schema.name' must be 1 to 64 letters, digits, underscores or "
+                          "dashes", "response_format.json_schema.name")
+    return json_output.ANY_VALUE if spec.schema is None else msgspec.json.encode(spec.schema).decode()
+
+
+async def check_json_schema(parsed: ParsedRequest) -> None:
+    """Refuse a JSON schema that cannot compile, before anything is queued. It compiles on a
+    thread (llguidance lets go of the GIL): a 100 KB schema takes 0.2 s, which on the event
+    loop would stall every stream this gateway serves. Apps send the same few schemas, so each
+    verdict is kept, by digest."""
+    text = parsed.sampling.json_schema
+    if text is None or text == json_output.ANY_OBJECT:
+        return
+    key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    if key in _checked:
+        _checked.move_to_end(key)
+        error = _checked[key]
+    else:
+        error = await asyncio.to_thread(json_output.schema_error, text)
+        _checked[key] = error
+        if len(_checked) > _CHECKED_MAX:
+            _checked.popitem(last=False)
+    if error is not None:
+        raise bad_request(f"'response_format.json_schema.schema' is not a schema output can be held to: {error}",
+                          "response_format.json_schema.schema")
 
 
 def _ranged(value: float | None, name: str, lo: float, hi: float, default: float) -> float:

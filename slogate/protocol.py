@@ -49,6 +49,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     """None: no log-probabilities; k: each sampled token's, with the k likeliest at its place."""
     logit_bias: dict[int, float] = {}
     """Added to a token's logit before sampling (OpenAI's ``logit_bias``, by token id)."""
+    json_schema: str | None = None
+    """JSON schema (as JSON text) that the output must match (``response_format``); the output
+    ends when the JSON is complete. None: free text."""
 
     @property
     def deterministic(self) -> bool:

@@ -60,3 +60,11 @@ def test_stop_cut_holds_back_partial_stops() -> None:
     assert stop_cut("hello wor", 0, ["world"]) == (6, False)
     assert stop_cut("hello world!", 6, ["world"]) == (6, True)
     assert stop_cut("abc", 0, ["x"]) == (3, False)
+
+
+def test_json_output_is_refused_as_the_made_up_text_cannot_follow_a_schema() -> None:
+    engine = create(decode_base_s=0)
+    outs = run(engine, req("json", json_schema='{"type":"object"}'), req("free", max_tokens=3))
+    (refused,) = outs["json"]
+    assert (refused.error_status, refused.error_param) == (400, "response_format")
+    assert outs["free"][-1].finish_reason == "length"

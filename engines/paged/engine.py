@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +24,7 @@ from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
+from engines.runtime.grammar import Grammars
 from engines.runtime.loader import LoadedModel
 from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample, token_logprobs
@@ -30,6 +33,8 @@ from slogate.protocol import TokenLogprob
 
 _SMOOTHING = 0.2
 """Weight of the newest step in the moving averages that ``load`` reports."""
+_COMPILE_WAIT_S = 0.005
+"""Longest a step with nothing to run waits for a schema to compile, so commands still flow."""
 
 
 @dataclass
@@ -37,6 +42,8 @@ class _Live:
     seq: Sequence
     tracker: OutputTracker
     generator: torch.Generator | None
+    matcher: Any = None
+    """The llguidance matcher holding the output to its JSON schema, if it has one."""
 
 
 @dataclass
@@ -80,6 +87,12 @@ class PagedEngine:
                                   loaded.max_context)
         self.capacity = opts.max_num_seqs
         self.pieces = TokenPieces(loaded.tokenizer)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="json-schema")
+        """Compiles JSON schemas beside the steps (llguidance lets go of the GIL): a large
+        schema takes tenths of a second, which between two steps would stall every stream."""
+        self._compiling: dict[str, tuple[_Live, Future[Any]]] = {}
+        """Requests whose JSON schema is compiling; they join the batch once it has."""
         self._live: dict[str, _Live] = {}
         self._pending: list[StepOutput] = []
         self._decode_step_s = 0.0
@@ -96,7 +109,7 @@ class PagedEngine:
             return request
 
     def add_request(self, request: EngineRequest) -> None:
-        if request.id in self._live:
+        if request.id in self._live or request.id in self._compiling:
             return  # a redelivery of a request already served here: its outputs are on their way
         try:
             prompt_ids = (request.prompt_ids if request.prompt_ids is not None
@@ -119,23 +132,49 @@ class PagedEngine:
                                         "context_length_exceeded" if prompt_ids else None))
             return
         tracker = OutputTracker(self.loaded.tokenizer, request.sampling, self.loaded.eos_token_ids, prompt_ids)
-        self._live[request.id] = _Live(seq, tracker, make_generator(request.sampling, self.loaded.device))
+        live = _Live(seq, tracker, make_generator(request.sampling, self.loaded.device))
+        if request.sampling.json_schema is not None:
+            self._compiling[request.id] = (live, self._compiler.submit(self.grammars.matcher,
+                                                                       request.sampling.json_schema))
+            return
+        self._live[request.id] = live
         self.scheduler.add(seq)
 
+    def _start_compiled(self) -> list[StepOutput]:
+        """Start the requests whose JSON schema has compiled; fail those whose schema cannot."""
+        failed = []
+        for rid, (live, compiled) in list(self._compiling.items()):
+            if not compiled.done():
+                continue
+            del self._compiling[rid]
+            try:
+                live.matcher = compiled.result()
+            except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
+                failed.append(_error(rid, f"cannot hold the output to 'response_format': {exc}",
+                                     live.seq.num_prompt_tokens, param="response_format"))
+                continue
+            self._live[rid] = live
+            self.scheduler.add(live.seq)
+        return failed
+
     def abort_request(self, request_id: str) -> None:
+        self._compiling.pop(request_id, None)
         live = self._live.pop(request_id, None)
         if live is not None:
             self.scheduler.finish(live.seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self._pending or self._live)
+        return bool(self._pending or self._live or self._compiling)
 
     def step(self, arrivals: Callable[[], bool] | None = None,
              send: Send | None = None) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(self.clock()))
+        outputs.extend(self._start_compiled())
         sched = self.scheduler.schedule()
         if not sched.seqs:
+            if self._compiling and not outputs:  # nothing to run until a schema compiles: no spinning
+                wait([compiled for _, compiled in self._compiling.values()], _COMPILE_WAIT_S, FIRST_COMPLETED)
             return outputs
         started = time.perf_counter()
         sampled, logits = self._forward(sched, arrivals, send)
@@ -161,7 +200,11 @@ class PagedEngine:
             [lv.generator for lv in lives],
             [lv.tracker.token_ids for lv in lives],
             self.loaded.eos_token_ids,
+            [self.grammars.allowed(lv.matcher) if lv.matcher is not None else None for lv in lives],
         )
+        for lv, token in zip(lives, tokens):
+            if lv.matcher is not None:
+                lv.matcher.consume_token(token)
         self.scheduler.postprocess(sched, dict(zip(sampled, tokens)))
         wanted = [i for i, lv in enumerate(lives) if lv.seq.sampling.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(lives)
@@ -175,7 +218,7 @@ class PagedEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=len(self.scheduler.waiting) + len(self._compiling),
             capacity=self.capacity,
             kv_usage=self.block_manager.usage,
             prefill_s_per_token=self._prefill_s_per_token,
@@ -190,7 +233,15 @@ class PagedEngine:
 
     def _emit(self, live: _Live, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
         seq = live.seq
+        if live.matcher is not None and live.matcher.is_error():  # past llguidance's limits, or a bug
+            self._live.pop(seq.request_id, None)
+            self.scheduler.finish(seq)
+            return _error(seq.request_id, f"cannot hold the output to 'response_format': {live.matcher.get_error()}",
+                          seq.num_prompt_tokens, param="response_format")
         text, finish = live.tracker.append(token)
+        if finish is None and live.matcher is not None and live.matcher.is_stopped():
+            text += live.tracker.end()
+            finish = "stop"
         if finish is not None:
             self._live.pop(seq.request_id, None)
             self.scheduler.finish(seq)
@@ -207,6 +258,10 @@ class PagedEngine:
     def _expire(self, now: float) -> list[StepOutput]:
         """Finish every request whose deadline passed, freeing its blocks before scheduling."""
         outputs = []
+        for rid in [rid for rid, (lv, _) in self._compiling.items() if lv.seq.deadline < now]:
+            live, _ = self._compiling.pop(rid)
+            outputs.append(StepOutput(request_id=rid, finish_reason="deadline",
+                                      prompt_tokens=live.seq.num_prompt_tokens))
         for rid in [rid for rid, lv in self._live.items() if lv.seq.deadline < now]:
             live = self._live.pop(rid)
             self.scheduler.finish(live.seq)

@@ -99,6 +99,11 @@ class OutputTracker:
         hold = _stop_prefix_len(self._pending, self._stops)
         return self._take(len(self._pending) - hold), None
 
+    def end(self) -> str:
+        """Finish with ``stop`` now, the output complete (its JSON schema allows nothing
+        more), and return the text still held back."""
+        return self._finish("stop", self.flush())[0]
+
     def flush(self) -> str:
         """All text still held back, for when the output ends for a reason other than a stop
         string (no held-back prefix can complete any more)."""

@@ -61,19 +61,23 @@ def sample(
     generators: Sequence[torch.Generator | None],
     histories: Sequence[Sequence[int]],
     eos_token_ids: Collection[int] = (),
+    allowed: Sequence[torch.Tensor | None] = (),
 ) -> list[int]:
     """Next token per row of ``logits`` [B, V]; ``histories`` are each row's output tokens so
-    far (what penalties and ``min_tokens`` count)."""
+    far (what penalties and ``min_tokens`` count); ``allowed``, where given for a row, the
+    tokens its grammar lets come next (a bool per vocabulary entry)."""
+    masks = list(allowed) or [None] * len(params)
     adjusted = [
         i
         for i, p in enumerate(params)
         if p.presence_penalty or p.frequency_penalty or p.logit_bias or len(histories[i]) < p.min_tokens
+        or masks[i] is not None
     ]
     if not adjusted and all(is_greedy(p) for p in params):
         return logits.argmax(dim=-1).tolist()
     logits = logits.to(torch.float32, copy=bool(adjusted))
     for i in adjusted:
-        _adjust_row(logits[i], params[i], histories[i], eos_token_ids)
+        _adjust_row(logits[i], params[i], histories[i], eos_token_ids, masks[i])
     greedy = [i for i, p in enumerate(params) if is_greedy(p)]
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
     tokens = [0] * len(params)
@@ -88,10 +92,12 @@ def sample(
 
 
 def _adjust_row(
-    row: torch.Tensor, params: SamplingParams, history: Sequence[int], eos_token_ids: Collection[int]
+    row: torch.Tensor, params: SamplingParams, history: Sequence[int], eos_token_ids: Collection[int],
+    allowed: torch.Tensor | None = None,
 ) -> None:
-    """Penalties as OpenAI defines them (over the output so far), the logit bias, then the
-    min_tokens ban."""
+    """Penalties as OpenAI defines them (over the output so far), the logit bias, the grammar's
+    mask, then the min_tokens ban. A ban that would leave the grammar no token gives way: the
+    output must stay valid, and ``min_tokens`` is only a floor on an output free to go on."""
     if history and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(
             torch.tensor(history, device=row.device), minlength=row.shape[0]
@@ -100,9 +106,15 @@ def _adjust_row(
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=row.device)
         row[ids] += torch.tensor(list(params.logit_bias.values()), device=row.device, dtype=row.dtype)
+    if allowed is not None and bool(allowed.any()):  # none: a matcher in error, which ends the request
+        row.masked_fill_(~allowed.to(row.device), float("-inf"))
     banned = banned_tokens(params, len(history), eos_token_ids)
     if banned:
-        row[torch.tensor(banned, device=row.device)] = float("-inf")
+        ids = torch.tensor(banned, device=row.device)
+        kept = row[ids].clone()
+        row[ids] = float("-inf")
+        if allowed is not None and not torch.isfinite(row).any():
+            row[ids] = kept
 
 
 def _sample_rows(

@@ -55,10 +55,26 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "logit_bias": {"7": 101}}, "logit_bias", ["-100 to 100", "token 7"]),
     ({"model": MODEL, "messages": MSGS, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias",
      ["at most 300"]),
-    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}}, "response_format.type",
-     ["json_object", "not supported"]),
-    ({"model": MODEL, "messages": MSGS, "response_format": {"kind": "text"}}, "response_format.type",
-     ["missing"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}}, "response_format",
+     ["simulated engine", "real engine"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"kind": "text"}}, "response_format.kind",
+     ["unknown parameter"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {}}, "response_format.type", ["missing"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "xml"}}, "response_format.type",
+     ["'json_schema'", "'xml'"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     ["needs a 'json_schema' object"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name", ["missing"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}},
+     "response_format.json_schema.name", ["1 to 64 letters"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"type": "object", "properties": {"k": {"type": "string", "pattern": "(["}}}}}},
+     "response_format.json_schema.schema", ["regex parse error"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"type": "verdict"}}}}, "response_format.json_schema.schema", ["verdict"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": [1]}}}, "response_format.json_schema.schema", ["object"]),
     ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "function_call": "auto"}, "function_call", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "guided_json": {"type": "object"}}, "guided_json", ["unknown parameter"]),
@@ -99,7 +115,7 @@ async def test_completions_missing_prompt_or_best_of_above_one(stack: Stack) -> 
     status, resp, _ = await call(stack, "/v1/completions", json_body={
         "model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}})
     assert status == 400
-    assert_error(resp, "response_format.type", "not supported")
+    assert_error(resp, "response_format", "simulated engine")
     for logprobs in (6, -1, True):
         status, resp, _ = await call(stack, "/v1/completions", json_body={
             "model": MODEL, "prompt": "hi", "logprobs": logprobs})

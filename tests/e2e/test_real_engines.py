@@ -6,8 +6,10 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 import redis
 from transformers import AutoTokenizer
@@ -107,6 +109,46 @@ def test_logit_bias_forces_a_token_in_both_pools_and_one_beyond_the_vocabulary_i
                                       logit_bias={str(len(tokenizer) + 10_000): 1},
                                       extra_headers={"x-slogate-class": cls})
         assert info.value.param == "logit_bias"
+
+
+class Verdict(pydantic.BaseModel):
+    """A risk verdict as an app would declare it; the SDK sends its schema (strict) and parses
+    the answer into it."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    risk: int = pydantic.Field(ge=0, le=100)
+    label: Literal["approve", "review", "decline"]
+
+
+def test_json_schema_output_parses_into_the_apps_model_in_both_pools_streamed_or_not(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    for cls in ("interactive", "batch"):
+        parsed = client.chat.completions.parse(model=model, messages=PROMPT, max_tokens=60, temperature=0,
+                                               response_format=Verdict, extra_headers={"x-slogate-class": cls})
+        choice = parsed.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Verdict), cls
+        schema = {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True,
+                                                         "schema": Verdict.model_json_schema()}}
+        chunks = list(client.chat.completions.create(model=model, messages=PROMPT, max_tokens=60, temperature=0,
+                                                     response_format=schema, stream=True,
+                                                     extra_headers={"x-slogate-class": cls}))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert Verdict.model_validate_json(streamed) == choice.message.parsed
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        whole = client.completions.create(model=model, prompt="score: ", max_tokens=60, temperature=0,
+                                          extra_body={"response_format": schema},
+                                          extra_headers={"x-slogate-class": cls})
+        Verdict.model_validate_json(whole.choices[0].text)
+
+
+def test_a_schema_that_cannot_compile_is_a_400_before_any_worker(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    bad = {"type": "json_schema", "json_schema": {"name": "v", "schema": {"$ref": "#/$defs/missing"}}}
+    with pytest.raises(openai.BadRequestError, match="missing") as info:
+        client.chat.completions.create(model=model, messages=PROMPT, response_format=bad)
+    assert info.value.param == "response_format.json_schema.schema"
 
 
 def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> None:

@@ -185,3 +185,32 @@ def test_logit_bias_moves_greedy_and_sampled_rows_but_not_the_raw_logits():
     tokens = sample(raw, params, [make_generator(p, "cpu") for p in params], [[], []])
     assert tokens == worst
     assert torch.equal(raw, before), "log-probabilities are read from the model's own logits"
+
+
+def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_leaves_other_rows_alone():
+    raw = logits(3, seed=4)
+    before = raw.clone()
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[7, 11, 13]] = True
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=2), SamplingParams(temperature=0)]
+    gens = [make_generator(p, "cpu") for p in params]
+    for _ in range(30):
+        tokens = sample(raw, params, gens, [[], [], []], allowed=[allowed, allowed, None])
+        assert tokens[0] == [7, 11, 13][int(raw[0, [7, 11, 13]].argmax())]
+        assert tokens[1] in (7, 11, 13)
+        assert tokens[2] == int(raw[2].argmax())
+    assert torch.equal(raw, before)
+
+
+def test_a_ban_that_would_leave_the_grammar_nothing_gives_way():
+    """``min_tokens`` bans EOS (1) early; where the grammar allows only EOS and a stop token,
+    the ban gives way rather than leave the row without a token the grammar takes."""
+    x = torch.zeros(1, V)
+    x[0, 5] = 10.0
+    only_ends = torch.zeros(V, dtype=torch.bool)
+    only_ends[[1, 2]] = True
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[2])
+    assert sample(x, [params], [None], [[]], eos_token_ids={1}, allowed=[only_ends]) in ([1], [2])
+    partly = only_ends.clone()
+    partly[9] = True
+    assert sample(x, [params], [None], [[]], eos_token_ids={1}, allowed=[partly]) == [9]
