@@ -2,10 +2,10 @@
 becomes, shared by the gateway, which refuses a schema that cannot compile before anything is
 queued, and the engines, which hold every sampled token to it (:mod:`engines.runtime.grammar`).
 
-llguidance compiles the schema: it builds its lexer lazily, so a schema costs well under a
-millisecond before the first token instead of the seconds an automaton precompiled over the
-vocabulary takes, and it imports no torch, so the gateway can check a schema with the
-engines' own compiler.
+llguidance compiles the schema: it builds its lexer as tokens come, so a risk verdict's schema
+costs a few milliseconds before the first token on the tiny model (compile and first mask)
+rather than the seconds an automaton precompiled over the whole vocabulary can take, and it
+imports no torch, so the gateway checks a schema with the engines' own compiler.
 
 The JSON is compact (no whitespace between tokens) unless the schema's ``x-guidance`` options
 ask otherwise: where whitespace may go anywhere, an unsure model pads. The tiny test model
