@@ -194,17 +194,17 @@ class PagedEngine:
         """Sample the next token of the sequences at ``sampled`` in ``sched`` and advance them
         all; their outputs (with the token's log-probability, where asked for) are for ``_emit``."""
         lives = [self._live[sched.seqs[i].request_id] for i in sampled]
+        held = [i for i, lv in enumerate(lives) if lv.matcher is not None]
         tokens = sample(
             logits,
             [lv.seq.sampling for lv in lives],
             [lv.generator for lv in lives],
             [lv.tracker.token_ids for lv in lives],
             self.loaded.eos_token_ids,
-            [self.grammars.allowed(lv.matcher) if lv.matcher is not None else None for lv in lives],
+            (held, self.grammars.blocked([lives[i].matcher for i in held])) if held else None,
         )
-        for lv, token in zip(lives, tokens):
-            if lv.matcher is not None:
-                lv.matcher.consume_token(token)
+        if held:
+            self.grammars.advance([lives[i].matcher for i in held], [tokens[i] for i in held])
         self.scheduler.postprocess(sched, dict(zip(sampled, tokens)))
         wanted = [i for i, lv in enumerate(lives) if lv.seq.sampling.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(lives)

@@ -28,6 +28,7 @@ class Grammars:
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._tokenizer: Any = None
+        self._executor = llguidance.LLExecutor()
 
     def matcher(self, schema: str) -> Any:
         """A matcher for ``schema`` at the start of the output. Raises ValueError with a reason
@@ -39,10 +40,24 @@ class Grammars:
             raise ValueError(matcher.get_error())
         return matcher
 
-    def allowed(self, matcher: Any) -> torch.Tensor:
-        """Which tokens may come next (a bool per vocabulary entry)."""
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        return torch.from_numpy(bits[: self._vocab_size].astype(bool))
+    def blocked(self, matchers: list[Any]) -> torch.Tensor:
+        """The tokens each matcher rules out next: a bool per vocabulary entry, a row each. The
+        masks are computed together on llguidance's threads, without the GIL. A matcher that
+        failed allows only EOS; one that allows nothing at all blocks nothing, so that a row
+        always has a token of the vocabulary to sample (the request then ends with the
+        matcher's error)."""
+        words = (self._vocab_size + 31) // 32
+        masks = np.empty((len(matchers), words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], masks.ctypes.data,
+                                               words * 4, len(matchers))
+        allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, : self._vocab_size]
+        blocked = allowed == 0
+        blocked &= allowed.any(axis=1, keepdims=True)
+        return torch.from_numpy(blocked)
+
+    def advance(self, matchers: list[Any], tokens: list[int]) -> None:
+        """Each matcher takes its sampled token (one that fails leaves it in error)."""
+        self._executor.consume_token_par(list(zip(matchers, tokens)))
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:

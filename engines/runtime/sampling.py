@@ -55,29 +55,36 @@ def banned_tokens(
     return banned
 
 
+Grammar = tuple[list[int], torch.Tensor]
+"""Rows held to a grammar (ascending), and the tokens each may not take next: a bool per
+vocabulary entry, a row each in the same order."""
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     histories: Sequence[Sequence[int]],
     eos_token_ids: Collection[int] = (),
-    allowed: Sequence[torch.Tensor | None] = (),
+    grammar: Grammar | None = None,
 ) -> list[int]:
     """Next token per row of ``logits`` [B, V]; ``histories`` are each row's output tokens so
-    far (what penalties and ``min_tokens`` count); ``allowed``, where given for a row, the
-    tokens its grammar lets come next (a bool per vocabulary entry)."""
-    masks = list(allowed) or [None] * len(params)
+    far (what penalties and ``min_tokens`` count)."""
+    held = grammar[0] if grammar is not None else []
     adjusted = [
         i
         for i, p in enumerate(params)
         if p.presence_penalty or p.frequency_penalty or p.logit_bias or len(histories[i]) < p.min_tokens
-        or masks[i] is not None
     ]
-    if not adjusted and all(is_greedy(p) for p in params):
+    if not adjusted and not held and all(is_greedy(p) for p in params):
         return logits.argmax(dim=-1).tolist()
-    logits = logits.to(torch.float32, copy=bool(adjusted))
+    logits = logits.to(torch.float32, copy=bool(adjusted or held))
     for i in adjusted:
-        _adjust_row(logits[i], params[i], histories[i], eos_token_ids, masks[i])
+        _adjust_row(logits[i], params[i], histories[i])
+    if grammar is not None:
+        _mask_rows(logits, *grammar)
+    for i in adjusted:
+        _ban(logits[i], banned_tokens(params[i], len(histories[i]), eos_token_ids), i in held)
     greedy = [i for i, p in enumerate(params) if is_greedy(p)]
     sampled = [i for i, p in enumerate(params) if not is_greedy(p)]
     tokens = [0] * len(params)
@@ -91,13 +98,8 @@ def sample(
     return tokens
 
 
-def _adjust_row(
-    row: torch.Tensor, params: SamplingParams, history: Sequence[int], eos_token_ids: Collection[int],
-    allowed: torch.Tensor | None = None,
-) -> None:
-    """Penalties as OpenAI defines them (over the output so far), the logit bias, the grammar's
-    mask, then the min_tokens ban. A ban that would leave the grammar no token gives way: the
-    output must stay valid, and ``min_tokens`` is only a floor on an output free to go on."""
+def _adjust_row(row: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> None:
+    """Penalties as OpenAI defines them (over the output so far), then the logit bias."""
     if history and (params.presence_penalty or params.frequency_penalty):
         counts = torch.bincount(
             torch.tensor(history, device=row.device), minlength=row.shape[0]
@@ -106,15 +108,29 @@ def _adjust_row(
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=row.device)
         row[ids] += torch.tensor(list(params.logit_bias.values()), device=row.device, dtype=row.dtype)
-    if allowed is not None and bool(allowed.any()):  # none: a matcher in error, which ends the request
-        row.masked_fill_(~allowed.to(row.device), float("-inf"))
-    banned = banned_tokens(params, len(history), eos_token_ids)
-    if banned:
-        ids = torch.tensor(banned, device=row.device)
-        kept = row[ids].clone()
-        row[ids] = float("-inf")
-        if allowed is not None and not torch.isfinite(row).any():
-            row[ids] = kept
+
+
+def _mask_rows(logits: torch.Tensor, rows: list[int], blocked: torch.Tensor) -> None:
+    """Every token a row's grammar rules out is out, in one operation for all rows."""
+    blocked = blocked.to(logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(blocked, float("-inf"))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(blocked, float("-inf")))
+
+
+def _ban(row: torch.Tensor, banned: list[int], give_way: bool) -> None:
+    """The ``min_tokens`` ban. Under a grammar (``give_way``), a ban that would leave no token
+    gives way: the output must stay valid, and ``min_tokens`` is only a floor on an output
+    free to go on."""
+    if not banned:
+        return
+    ids = torch.tensor(banned, device=row.device)
+    kept = row[ids].clone()
+    row[ids] = float("-inf")
+    if give_way and not torch.isfinite(row).any():
+        row[ids] = kept
 
 
 def _sample_rows(

@@ -12,9 +12,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from engines.base import EngineRequest, StepOutput
 from engines.paged import PagedEngine, create
+from engines.runtime.grammar import Grammars
 from engines.stream import create as stream_create
 from slogate import json_output
 from slogate.protocol import SamplingParams
@@ -187,3 +189,20 @@ def test_a_large_schema_compiles_beside_the_running_streams(make_engine: MakeEng
     big_outputs = [o for o in outputs if o.request_id == "big"]
     assert all(o.error is None for o in big_outputs), big_outputs
     assert big_outputs[-1].finish_reason in ("stop", "length")
+
+
+def test_masks_block_all_but_the_grammars_tokens_and_leave_a_failed_matcher_a_token(tiny_model_dir: Path) -> None:
+    """A failed matcher's row must leave a token of the vocabulary to sample (EOS), not a row of
+    -inf whose argmax is token 0 by accident and whose draw is NaN; the request then ends with
+    the matcher's error instead of a step failing the whole batch."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    fresh, failed = grammars.matcher(json_output.ANY_OBJECT), grammars.matcher(json_output.ANY_OBJECT)
+    [brace] = tokenizer("{", add_special_tokens=False).input_ids
+    [letter] = tokenizer("a", add_special_tokens=False).input_ids
+    assert not failed.consume_token(letter) and failed.is_error()
+    blocked = grammars.blocked([fresh, failed])
+    assert blocked.shape == (2, len(tokenizer))
+    allowed = (~blocked[0]).nonzero().flatten().tolist()
+    assert brace in allowed and all(tokenizer.decode([t]).startswith("{") for t in allowed)
+    assert (~blocked[1]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]

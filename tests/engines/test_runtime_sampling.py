@@ -195,7 +195,7 @@ def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_leaves_other_rows_alo
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.5, seed=2), SamplingParams(temperature=0)]
     gens = [make_generator(p, "cpu") for p in params]
     for _ in range(30):
-        tokens = sample(raw, params, gens, [[], [], []], allowed=[allowed, allowed, None])
+        tokens = sample(raw, params, gens, [[], [], []], grammar=([0, 1], ~torch.stack([allowed, allowed])))
         assert tokens[0] == [7, 11, 13][int(raw[0, [7, 11, 13]].argmax())]
         assert tokens[1] in (7, 11, 13)
         assert tokens[2] == int(raw[2].argmax())
@@ -210,7 +210,7 @@ def test_a_ban_that_would_leave_the_grammar_nothing_gives_way():
     only_ends = torch.zeros(V, dtype=torch.bool)
     only_ends[[1, 2]] = True
     params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[2])
-    assert sample(x, [params], [None], [[]], eos_token_ids={1}, allowed=[only_ends]) in ([1], [2])
+    assert sample(x, [params], [None], [[]], eos_token_ids={1}, grammar=([0], ~only_ends[None])) in ([1], [2])
     partly = only_ends.clone()
     partly[9] = True
-    assert sample(x, [params], [None], [[]], eos_token_ids={1}, allowed=[partly]) == [9]
+    assert sample(x, [params], [None], [[]], eos_token_ids={1}, grammar=([0], ~partly[None])) == [9]
