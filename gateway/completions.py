@@ -113,7 +113,6 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         request["audit"]["key"] = caller.key_id
         body = await _read_body(request, state.cfg.max_body_bytes, state.cfg.client_timeout_s)
         parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
-        await schema.check_json_schema(parsed)
         request["audit"]["model"] = parsed.model
         state.keys.check_model(caller, parsed.model)
         _check_model(state, parsed, caller)
@@ -123,6 +122,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     with tracing.span("admit", **{"slogate.class": cls}) as span:
         if state.keys.enabled:
             await _rate_limit(state, caller, parsed)
+        await schema.check_json_schema(parsed)  # after the rate limit: a compile may take a thread for 0.5 s
         decision = await admit(state, parsed, cls, deadline, caller.key_id)
         if span is not None:
             span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})

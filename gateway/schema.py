@@ -236,12 +236,17 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request(f"'stop_token_ids' must hold at most {MAX_STOP_TOKEN_IDS} token ids, each from 0 "
                           f"to {2**31 - 1}", "stop_token_ids")
 
+    json_schema = _json_schema(raw.response_format)
+    if json_schema is not None and (stops or stop_ids):
+        raise bad_request("'stop' and 'stop_token_ids' cannot be combined with a JSON 'response_format': they would "
+                          "cut the JSON short; it ends by itself when complete",
+                          "stop" if stops else "stop_token_ids", "unsupported_value")
     sampling = SamplingParams(
         max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
         top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
         frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias),
-        json_schema=_json_schema(raw.response_format))
+        json_schema=json_schema)
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
@@ -313,7 +318,13 @@ def _json_schema(fmt: ResponseFormat | None) -> str | None:
     if not _SCHEMA_NAME.fullmatch(spec.name):
         raise bad_request("'response_format.json_schema.name' must be 1 to 64 letters, digits, underscores or "
                           "dashes", "response_format.json_schema.name")
-    return json_output.ANY_VALUE if spec.schema is None else msgspec.json.encode(spec.schema).decode()
+    if spec.schema is None:
+        return json_output.ANY_VALUE
+    schema = msgspec.json.encode(spec.schema).decode()
+    if len(schema) > json_output.MAX_SCHEMA_BYTES:
+        raise bad_request(f"'response_format.json_schema.schema' may be at most {json_output.MAX_SCHEMA_BYTES} "
+                          f"bytes as compact JSON, got {len(schema)}", "response_format.json_schema.schema")
+    return schema
 
 
 async def check_json_schema(parsed: ParsedRequest) -> None:

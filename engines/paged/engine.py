@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
-from engines.runtime.grammar import Grammars
+from engines.runtime.grammar import Grammars, matcher_error
 from engines.runtime.loader import LoadedModel
 from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample, token_logprobs
@@ -33,6 +33,7 @@ from slogate.protocol import TokenLogprob
 
 _SMOOTHING = 0.2
 """Weight of the newest step in the moving averages that ``load`` reports."""
+_SCHEMA_PARAM = "response_format.json_schema.schema"
 _COMPILE_WAIT_S = 0.005
 """Longest a step with nothing to run waits for a schema to compile, so commands still flow."""
 
@@ -88,9 +89,6 @@ class PagedEngine:
         self.capacity = opts.max_num_seqs
         self.pieces = TokenPieces(loaded.tokenizer)
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="json-schema")
-        """Compiles JSON schemas beside the steps (llguidance lets go of the GIL): a large
-        schema takes tenths of a second, which between two steps would stall every stream."""
         self._compiling: dict[str, tuple[_Live, Future[Any]]] = {}
         """Requests whose JSON schema is compiling; they join the batch once it has."""
         self._live: dict[str, _Live] = {}
@@ -134,8 +132,7 @@ class PagedEngine:
         tracker = OutputTracker(self.loaded.tokenizer, request.sampling, self.loaded.eos_token_ids, prompt_ids)
         live = _Live(seq, tracker, make_generator(request.sampling, self.loaded.device))
         if request.sampling.json_schema is not None:
-            self._compiling[request.id] = (live, self._compiler.submit(self.grammars.matcher,
-                                                                       request.sampling.json_schema))
+            self._compiling[request.id] = (live, self.grammars.compile(request.sampling.json_schema))
             return
         self._live[request.id] = live
         self.scheduler.add(seq)
@@ -148,20 +145,31 @@ class PagedEngine:
                 continue
             del self._compiling[rid]
             try:
-                live.matcher = compiled.result()
+                live.matcher = self.grammars.start(compiled)
             except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
                 failed.append(_error(rid, f"cannot hold the output to 'response_format': {exc}",
-                                     live.seq.num_prompt_tokens, param="response_format"))
+                                     live.seq.num_prompt_tokens, param=_SCHEMA_PARAM))
                 continue
             self._live[rid] = live
             self.scheduler.add(live.seq)
         return failed
 
     def abort_request(self, request_id: str) -> None:
-        self._compiling.pop(request_id, None)
+        self._abandon(request_id)
         live = self._live.pop(request_id, None)
         if live is not None:
             self.scheduler.finish(live.seq)
+
+    def _abandon(self, request_id: str) -> _Live | None:
+        """Drop a request whose schema is compiling, and the compile if it has not begun and no
+        other request waits for it: a client that gave up must not hold others' schemas up."""
+        entry = self._compiling.pop(request_id, None)
+        if entry is None:
+            return None
+        live, compiled = entry
+        if all(other is not compiled for _, other in self._compiling.values()):
+            compiled.cancel()
+        return live
 
     def has_unfinished(self) -> bool:
         return bool(self._pending or self._live or self._compiling)
@@ -236,11 +244,11 @@ class PagedEngine:
         if live.matcher is not None and live.matcher.is_error():  # past llguidance's limits, or a bug
             self._live.pop(seq.request_id, None)
             self.scheduler.finish(seq)
-            return _error(seq.request_id, f"cannot hold the output to 'response_format': {live.matcher.get_error()}",
-                          seq.num_prompt_tokens, param="response_format")
+            return _error(seq.request_id, f"cannot hold the output to 'response_format': {matcher_error(live.matcher)}",
+                          seq.num_prompt_tokens, param=_SCHEMA_PARAM)
         text, finish = live.tracker.append(token)
-        if finish is None and live.matcher is not None and live.matcher.is_stopped():
-            text += live.tracker.end()
+        if finish in (None, "length") and live.matcher is not None and live.matcher.is_stopped():
+            text += live.tracker.end()  # complete JSON, even on the last token max_tokens allows
             finish = "stop"
         if finish is not None:
             self._live.pop(seq.request_id, None)
@@ -259,7 +267,7 @@ class PagedEngine:
         """Finish every request whose deadline passed, freeing its blocks before scheduling."""
         outputs = []
         for rid in [rid for rid, (lv, _) in self._compiling.items() if lv.seq.deadline < now]:
-            live, _ = self._compiling.pop(rid)
+            live = self._abandon(rid)
             outputs.append(StepOutput(request_id=rid, finish_reason="deadline",
                                       prompt_tokens=live.seq.num_prompt_tokens))
         for rid in [rid for rid, lv in self._live.items() if lv.seq.deadline < now]:

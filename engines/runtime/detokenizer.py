@@ -100,9 +100,12 @@ class OutputTracker:
         return self._take(len(self._pending) - hold), None
 
     def end(self) -> str:
-        """Finish with ``stop`` now, the output complete (its JSON schema allows nothing
-        more), and return the text still held back."""
-        return self._finish("stop", self.flush())[0]
+        """Finish with ``stop``: the output is complete (its JSON schema allows nothing more),
+        even where the token that completed it was the last ``max_tokens`` allowed. Returns
+        the text still held back."""
+        text = self.flush() if self.finish_reason is None else ""
+        self.finish_reason = "stop"
+        return text
 
     def flush(self) -> str:
         """All text still held back, for when the output ends for a reason other than a stop

@@ -8,7 +8,10 @@ model to choose EOS: a small model may never choose it.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -20,24 +23,51 @@ from slogate import json_output
 
 
 class Grammars:
-    """An engine's view of its tokenizer as llguidance reads it, built at the first request
-    that needs it (a model with a large vocabulary takes about a second) and kept."""
+    """An engine's JSON schemas: its tokenizer as llguidance reads it (built at the first request
+    that needs it; a large vocabulary takes about a second), the schemas compiled on a thread
+    of their own, and the last few kept, so an app that sends the same schema with every
+    request pays for one compile."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int], keep: int = 64) -> None:
         self._hf = tokenizer
         self._vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._tokenizer: Any = None
+        self._tokenizer_error: ValueError | None = None
         self._executor = llguidance.LLExecutor()
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="json-schema")
+        """Compiles beside the steps (llguidance lets go of the GIL): a large schema takes
+        tenths of a second, which between two steps would stall every stream."""
+        self._compiled: OrderedDict[bytes, Future[Any]] = OrderedDict()
+        """By digest of the schema: its compile, done or not (a failed one keeps its error)."""
+        self._keep = keep
 
-    def matcher(self, schema: str) -> Any:
-        """A matcher for ``schema`` at the start of the output. Raises ValueError with a reason
-        a client can act on (the schema does not compile, or this model's tokenizer is not one
-        llguidance reads)."""
-        compiled = json_output.grammar(schema)
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), compiled, log_level=0)
+    def compile(self, schema: str) -> Future[Any]:
+        """The compile of ``schema``: started now on the compile thread unless kept or under
+        way. Its result is a pristine matcher, for :meth:`start`; its error a ValueError with a
+        reason a client can act on."""
+        key = hashlib.blake2b(schema.encode(), digest_size=16).digest()
+        compiled = self._compiled.get(key)
+        if compiled is None or compiled.cancelled():
+            compiled = self._compiled[key] = self._compiler.submit(self._build, schema)
+            while len(self._compiled) > self._keep:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
+        return compiled
+
+    def start(self, compiled: Future[Any]) -> Any:
+        """A matcher of one request's own from a finished compile (raises its ValueError)."""
+        return compiled.result().deep_copy()
+
+    def _build(self, schema: str) -> Any:
+        """A matcher at the start of the output, its first mask computed here, on the compile
+        thread: for a large schema that takes as long as the compile, and between two steps it
+        would stall every stream."""
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), json_output.grammar(schema), log_level=0,
+                                       limits=json_output.LIMITS)
+        matcher.compute_bitmask()
         if matcher.is_error():
-            raise ValueError(matcher.get_error())
+            raise ValueError(matcher_error(matcher))
         return matcher
 
     def blocked(self, matchers: list[Any]) -> torch.Tensor:
@@ -60,10 +90,19 @@ class Grammars:
         self._executor.consume_token_par(list(zip(matchers, tokens)))
 
     def _llg_tokenizer(self) -> Any:
+        if self._tokenizer_error is not None:
+            raise self._tokenizer_error
         if self._tokenizer is None:
             try:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size,
                                                                eos_token=self._eos or None)
             except ValueError as exc:
-                raise ValueError(f"this model's tokenizer cannot constrain output to JSON: {exc}") from exc
+                self._tokenizer_error = ValueError(f"this model's tokenizer cannot constrain output to JSON: {exc}")
+                raise self._tokenizer_error from exc
         return self._tokenizer
+
+
+def matcher_error(matcher: Any) -> str:
+    """Why a matcher failed, in one line a client can read."""
+    text = matcher.get_error().splitlines()[0]
+    return "the schema allows no output at this point (NoExtensionBias)" if text == "NoExtensionBias" else text

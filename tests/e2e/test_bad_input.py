@@ -75,6 +75,13 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
         "name": "v", "schema": {"type": "verdict"}}}}, "response_format.json_schema.schema", ["verdict"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
         "name": "v", "schema": [1]}}}, "response_format.json_schema.schema", ["object"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(4000)}}}}},
+     "response_format.json_schema.schema", ["at most 65536 bytes"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop": "}"}, "stop",
+     ["cut the JSON short"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop_token_ids": [7]},
+     "stop_token_ids", ["cut the JSON short"]),
     ({"model": MODEL, "messages": MSGS, "tool_choice": "required"}, "tool_choice", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "function_call": "auto"}, "function_call", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "guided_json": {"type": "object"}}, "guided_json", ["unknown parameter"]),

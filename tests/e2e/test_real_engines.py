@@ -151,6 +151,20 @@ def test_a_schema_that_cannot_compile_is_a_400_before_any_worker(engines_stack) 
     assert info.value.param == "response_format.json_schema.schema"
 
 
+def test_a_schema_only_the_tokens_show_to_allow_nothing_is_a_short_400_from_the_worker(engines_stack) -> None:
+    """``{"$ref": "#"}`` compiles, but allows no output: the worker answers, in one line."""
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    selfish = {"type": "json_schema", "json_schema": {"name": "v", "schema": {"$ref": "#"}}}
+    for cls in ("interactive", "batch"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, messages=PROMPT, response_format=selfish,
+                                           extra_headers={"x-slogate-class": cls})
+        assert info.value.param == "response_format.json_schema.schema"
+        message = info.value.body["message"]
+        assert "response_format" in message and "\n" not in message and len(message) < 300, message
+
+
 def test_role_markers_in_a_message_are_its_text_in_both_pools(engines_stack) -> None:
     """A special token's text in content is several plain tokens, not the one marker that
     would open a forged turn."""

@@ -129,6 +129,15 @@ def test_max_tokens_cuts_the_json_with_length(make_engine: MakeEngine) -> None:
         json.loads(text)
 
 
+def test_json_complete_on_the_last_token_max_tokens_allows_is_a_stop(make_engine: MakeEngine) -> None:
+    """The SDK's ``parse`` raises on ``length``: complete JSON must not be reported as cut."""
+    engine = make_engine()
+    text, _, tokens = _result(_run(engine, [("free", PROMPTS[0], _sampling(VERDICT))])["free"])
+    exact = _result(_run(engine, [("exact", PROMPTS[0], _sampling(VERDICT, max_tokens=tokens))])["exact"])
+    assert exact == (text, "stop", tokens)
+    jsonschema.validate(json.loads(text), VERDICT)
+
+
 def test_min_tokens_gives_way_to_a_complete_json(make_engine: MakeEngine) -> None:
     """``min_tokens`` bans EOS and stop tokens early; a grammar that is done ends the output
     anyway, valid, instead of being forced past its end."""
@@ -150,7 +159,7 @@ def test_a_schema_that_cannot_compile_fails_that_request_alone(make_engine: Make
     outputs = _run(make_engine(), [("bad", PROMPTS[0], _sampling('{"type": "nope"}')),
                                    ("good", PROMPTS[0], _sampling(VERDICT))])
     (bad,) = outputs["bad"]
-    assert (bad.error_status, bad.error_param) == (400, "response_format")
+    assert (bad.error_status, bad.error_param) == (400, "response_format.json_schema.schema")
     assert "nope" in (bad.error or "")
     jsonschema.validate(json.loads(_result(outputs["good"])[0]), VERDICT)
 
@@ -167,24 +176,21 @@ def test_json_object_mode_is_any_object(make_engine: MakeEngine) -> None:
 
 
 def test_a_large_schema_compiles_beside_the_running_streams(make_engine: MakeEngine) -> None:
-    """A schema of 450 patterned properties takes about 0.1 s to compile (a step, 1-2 ms): on a
-    thread, so the stream already running keeps getting tokens meanwhile; between two steps, it
-    would get none until the compile ended."""
+    """A schema of 1,000 patterned properties takes about 0.3 s to compile: on a thread, so the
+    step after it arrives runs the stream already there without waiting for it. Compiled
+    between two steps, that step would come after the compile, with the newcomer in it."""
     engine = make_engine()
     pattern = "^([a-z]{2}|[0-9]{3}){1,%d}-[A-Z]{%d}x{0,%d}$"
     big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": pattern % (i % 30 + 1, i % 20 + 2,
                                                                                                i % 10 + 3)}
-                                            for i in range(450)}}
+                                            for i in range(1000)}}
     engine.add_request(EngineRequest("free", SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
                                      time.time() + 3600, prompt=PROMPTS[0]))
     engine.step()
     engine.add_request(EngineRequest("big", _sampling(big, max_tokens=8), time.time() + 3600, prompt=PROMPTS[1]))
-    meanwhile, outputs = 0, []
-    while engine.load().waiting:
-        step = engine.step()
-        meanwhile += sum(len(o.token_ids) for o in step if o.request_id == "free")
-        outputs += step
-    assert meanwhile >= 2
+    outputs = engine.step()
+    assert [o.request_id for o in outputs if o.token_ids] == ["free"]
+    assert (engine.load().running, engine.load().waiting) == (1, 1)
     outputs += [o for outs in _run(engine, []).values() for o in outs]
     big_outputs = [o for o in outputs if o.request_id == "big"]
     assert all(o.error is None for o in big_outputs), big_outputs
@@ -197,7 +203,8 @@ def test_masks_block_all_but_the_grammars_tokens_and_leave_a_failed_matcher_a_to
     the matcher's error instead of a step failing the whole batch."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-    fresh, failed = grammars.matcher(json_output.ANY_OBJECT), grammars.matcher(json_output.ANY_OBJECT)
+    compiled = grammars.compile(json_output.ANY_OBJECT)
+    fresh, failed = grammars.start(compiled), grammars.start(compiled)
     [brace] = tokenizer("{", add_special_tokens=False).input_ids
     [letter] = tokenizer("a", add_special_tokens=False).input_ids
     assert not failed.consume_token(letter) and failed.is_error()
@@ -206,3 +213,30 @@ def test_masks_block_all_but_the_grammars_tokens_and_leave_a_failed_matcher_a_to
     allowed = (~blocked[0]).nonzero().flatten().tolist()
     assert brace in allowed and all(tokenizer.decode([t]).startswith("{") for t in allowed)
     assert (~blocked[1]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+def test_a_schema_compiles_once_and_each_request_gets_a_matcher_of_its_own(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    text = json.dumps(VERDICT)
+    compiled = engine.grammars.compile(text)
+    assert engine.grammars.compile(text) is compiled
+    one, two = engine.grammars.start(compiled), engine.grammars.start(compiled)
+    [brace] = engine.loaded.tokenizer("{", add_special_tokens=False).input_ids
+    assert one.consume_token(brace)
+    assert engine.grammars.start(compiled).consume_token(brace) and two.consume_token(brace)
+
+
+def test_a_request_given_up_while_its_schema_waits_drops_the_compile(make_engine: MakeEngine) -> None:
+    """Behind a compile under way, a request's schema waits; when that request is aborted and no
+    other waits for it, its compile is cancelled rather than run for nobody."""
+    engine = make_engine()
+    pattern = "^([a-z]{2}|[0-9]{3}){1,%d}-[A-Z]{%d}x{0,%d}$"
+    slow = [json.dumps({"type": "object", "properties": {
+        f"k{i}": {"type": "string", "pattern": pattern % (i % 30 + 1, i % 20 + 2, i % 10 + 3 + n)}
+        for i in range(450)}}) for n in range(2)]
+    under_way = engine.grammars.compile(slow[0])
+    engine.add_request(EngineRequest("queued", _sampling(slow[1]), time.time() + 3600, prompt=PROMPTS[0]))
+    queued = engine.grammars.compile(slow[1])
+    engine.abort_request("queued")
+    assert queued.cancelled() and not under_way.cancelled()
+    assert _run(engine, [("next", PROMPTS[1], _sampling(VERDICT))]).keys() == {"next"}
