@@ -71,9 +71,10 @@ class Grammars:
 
     def blocked(self, matchers: list[Any]) -> torch.Tensor:
         """The tokens each matcher rules out next: a bool per vocabulary entry, a row each.
-        Computed here, one matcher after another: llguidance's parallel executor keeps threads
-        spinning after each batch, and on a host whose two cores are one core's hyperthreads
-        they took 0.8 ms from every one-stream step of the tiny model. A matcher that failed
+        Computed here, one matcher after another: llguidance's parallel executor hands the work
+        to threads of its own, which on 2 cores cost more than they saved (16 streams of the
+        tiny model: steps 65-85 µs a stream longer than free text with it, 30-42 without; two
+        runs each of ``benchmarks.json_output``). A matcher that failed
         allows only EOS; one that allows nothing at all blocks nothing, so that a row always
         has a token of the vocabulary to sample (the request then ends with the matcher's
         error)."""
