@@ -119,7 +119,6 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             held = set()
             continue
         idle_reported = False
-        if outputs:  # none: a step that only waited for a schema to compile, not one to report
-            send(outputs)
+        send(outputs)
         if ended:
             raise ended[0]
