@@ -320,11 +320,11 @@ def _json_schema(fmt: ResponseFormat | None) -> str | None:
                           "dashes", "response_format.json_schema.name")
     if spec.schema is None:
         return json_output.ANY_VALUE
-    schema = msgspec.json.encode(spec.schema).decode()
+    schema = msgspec.json.encode(spec.schema)
     if len(schema) > json_output.MAX_SCHEMA_BYTES:
         raise bad_request(f"'response_format.json_schema.schema' may be at most {json_output.MAX_SCHEMA_BYTES} "
                           f"bytes as compact JSON, got {len(schema)}", "response_format.json_schema.schema")
-    return schema
+    return schema.decode()
 
 
 async def check_json_schema(parsed: ParsedRequest) -> None:

@@ -24,11 +24,12 @@ from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
-from engines.runtime.grammar import Grammars, matcher_error
+from engines.runtime.grammar import Grammars, TokenizerUnsupported, matcher_error
 from engines.runtime.loader import LoadedModel
 from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample, token_logprobs
 from engines.runtime.token_pieces import TokenPieces
+from slogate import json_output
 from slogate.protocol import TokenLogprob
 
 _SMOOTHING = 0.2
@@ -147,8 +148,9 @@ class PagedEngine:
             try:
                 live.matcher = self.grammars.start(compiled)
             except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
+                param = "response_format" if isinstance(exc, TokenizerUnsupported) else _schema_param(live)
                 failed.append(_error(rid, f"cannot hold the output to 'response_format': {exc}",
-                                     live.seq.num_prompt_tokens, param=_SCHEMA_PARAM))
+                                     live.seq.num_prompt_tokens, param=param))
                 continue
             self._live[rid] = live
             self.scheduler.add(live.seq)
@@ -245,7 +247,7 @@ class PagedEngine:
             self._live.pop(seq.request_id, None)
             self.scheduler.finish(seq)
             return _error(seq.request_id, f"cannot hold the output to 'response_format': {matcher_error(live.matcher)}",
-                          seq.num_prompt_tokens, param=_SCHEMA_PARAM)
+                          seq.num_prompt_tokens, param=_schema_param(live))
         text, finish = live.tracker.append(token)
         if finish in (None, "length") and live.matcher is not None and live.matcher.is_stopped():
             text += live.tracker.end()  # complete JSON, even on the last token max_tokens allows
@@ -296,6 +298,11 @@ class PagedEngine:
 
 def _blend(old: float, new: float) -> float:
     return new if old == 0.0 else (1 - _SMOOTHING) * old + _SMOOTHING * new
+
+
+def _schema_param(live: _Live) -> str:
+    """The field a client sent its schema in: only ``json_schema`` formats carry one."""
+    return "response_format" if live.seq.sampling.json_schema == json_output.ANY_OBJECT else _SCHEMA_PARAM
 
 
 def _error(request_id: str, message: str, prompt_tokens: int = 0, code: str | None = None,

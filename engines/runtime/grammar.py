@@ -23,17 +23,24 @@ from slogate import json_output
 
 
 class Grammars:
-    """An engine's JSON schemas: its tokenizer as llguidance reads it (built at the first request
-    that needs it; a large vocabulary takes about a second), the schemas compiled on a thread
-    of their own, and the last few kept, so an app that sends the same schema with every
-    request pays for one compile."""
+    """An engine's JSON schemas: its tokenizer as llguidance reads it (built with the engine; a
+    large vocabulary takes about a second), the schemas compiled on a thread of their own, and
+    the last few kept, so an app that sends the same schema with every request pays for one
+    compile."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int], keep: int = 64) -> None:
-        self._hf = tokenizer
         self._vocab_size = vocab_size
-        self._eos = sorted(eos_token_ids)
         self._tokenizer: Any = None
-        self._tokenizer_error: ValueError | None = None
+        self._tokenizer_error: TokenizerUnsupported | None = None
+        try:  # now, on the engine's thread: the compile thread borrowing the tokenizer beside a
+            # prompt's tokenizing can fail ("Already borrowed")
+            # llguidance wants every token the tokenizer has; tokens beyond the model's logits
+            # (added ones a model was not resized for) are cut from the masks again
+            self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
+                                                           eos_token=sorted(eos_token_ids) or None)
+        except Exception as exc:  # noqa: BLE001 - JSON output refused with the reason, the engine serves on
+            self._tokenizer_error = TokenizerUnsupported(
+                f"this model's tokenizer cannot constrain output to JSON: {exc}")
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="json-schema")
         """Compiles beside the steps (llguidance lets go of the GIL): a large schema takes
         tenths of a second, which between two steps would stall every stream."""
@@ -47,7 +54,7 @@ class Grammars:
         reason a client can act on."""
         key = hashlib.blake2b(schema.encode(), digest_size=16).digest()
         compiled = self._compiled.get(key)
-        if compiled is None or compiled.cancelled():
+        if compiled is None or compiled.cancelled() or _failed_by_chance(compiled):
             compiled = self._compiled[key] = self._compiler.submit(self._build, schema)
             while len(self._compiled) > self._keep:
                 self._compiled.popitem(last=False)
@@ -62,7 +69,9 @@ class Grammars:
         """A matcher at the start of the output, its first mask computed here, on the compile
         thread: for a large schema that takes as long as the compile, and between two steps it
         would stall every stream."""
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), json_output.grammar(schema), log_level=0,
+        if self._tokenizer_error is not None:
+            raise self._tokenizer_error
+        matcher = llguidance.LLMatcher(self._tokenizer, json_output.grammar(schema), log_level=0,
                                        limits=json_output.LIMITS)
         matcher.compute_bitmask()
         if matcher.is_error():
@@ -89,20 +98,18 @@ class Grammars:
         for matcher, token in zip(matchers, tokens):
             matcher.consume_token(token)
 
-    def _llg_tokenizer(self) -> Any:
-        if self._tokenizer_error is not None:
-            raise self._tokenizer_error
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab_size,
-                                                               eos_token=self._eos or None)
-            except ValueError as exc:
-                self._tokenizer_error = ValueError(f"this model's tokenizer cannot constrain output to JSON: {exc}")
-                raise self._tokenizer_error from exc
-        return self._tokenizer
+class TokenizerUnsupported(ValueError):
+    """The model's tokenizer is not one llguidance reads (a slow, Python-only one)."""
 
 
 def matcher_error(matcher: Any) -> str:
     """Why a matcher failed, in one line a client can read."""
-    text = matcher.get_error().splitlines()[0]
+    text = json_output.one_line(matcher.get_error())
     return "the schema allows no output at this point (NoExtensionBias)" if text == "NoExtensionBias" else text
+
+
+def _failed_by_chance(compiled: Future[Any]) -> bool:
+    """A compile that raised something other than a client's fault (a ValueError), which a
+    later request should not inherit."""
+    return compiled.done() and not compiled.cancelled() and compiled.exception() is not None \
+        and not isinstance(compiled.exception(), ValueError)

@@ -78,6 +78,13 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
         "name": "v", "schema": {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(4000)}}}}},
      "response_format.json_schema.schema", ["at most 65536 bytes"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"type": "string", "description": "🚀" * 20_000}}}},
+     "response_format.json_schema.schema", ["at most 65536 bytes", "got 80"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"$ref": "#/$defs/a0", "$defs": {
+            **{f"a{i}": {"type": "array", "items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(200)},
+            "a200": {"type": "integer"}}}}}}, "response_format.json_schema.schema", ["deeper than 128 levels"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop": "}"}, "stop",
      ["cut the JSON short"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop_token_ids": [7]},

@@ -240,3 +240,30 @@ def test_a_request_given_up_while_its_schema_waits_drops_the_compile(make_engine
     engine.abort_request("queued")
     assert queued.cancelled() and not under_way.cancelled()
     assert _run(engine, [("next", PROMPTS[1], _sampling(VERDICT))]).keys() == {"next"}
+
+
+def test_a_tokenizer_with_tokens_beyond_the_models_logits_still_holds_json(tiny_model_dir: Path) -> None:
+    """An added token the model was not resized for: llguidance reads the whole tokenizer, and
+    the masks are cut back to the model's logits."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    vocab = len(tokenizer)
+    tokenizer.add_tokens(["<risk-label>"])
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    matcher = grammars.start(grammars.compile(json_output.ANY_OBJECT))
+    assert grammars.blocked([matcher]).shape == (1, vocab)
+
+
+def test_json_output_is_refused_naming_response_format_where_llguidance_cannot_read_the_tokenizer(
+        make_engine: MakeEngine) -> None:
+    """Such a tokenizer (llguidance reads only fast ones; an object stands in for it) fails JSON
+    requests, naming the field the client sent, and serves free text."""
+    engine = make_engine()
+    engine.grammars = Grammars(object(), engine.loaded.vocab_size, engine.loaded.eos_token_ids)
+    outputs = _run(engine, [("object", PROMPTS[0], _sampling(json_output.ANY_OBJECT)),
+                            ("schema", PROMPTS[0], _sampling(VERDICT)),
+                            ("free", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))])
+    for rid in ("object", "schema"):
+        (refused,) = outputs[rid]
+        assert (refused.error_status, refused.error_param) == (400, "response_format")
+        assert "tokenizer" in (refused.error or "")
+    assert _result(outputs["free"])[2] == 3
