@@ -7,10 +7,12 @@ walking); every failure becomes an :class:`APIError` naming the offending field.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 import re
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -327,11 +329,16 @@ def _json_schema(fmt: ResponseFormat | None) -> str | None:
     return schema.decode()
 
 
+@functools.cache
+def _compiler() -> ThreadPoolExecutor:
+    return json_output.compiler("schema-check")
+
+
 async def check_json_schema(parsed: ParsedRequest) -> None:
     """Refuse a JSON schema that cannot compile, before anything is queued. It compiles on a
-    thread (llguidance lets go of the GIL): a 100 KB schema takes 0.2 s, which on the event
-    loop would stall every stream this gateway serves. Apps send the same few schemas, so each
-    verdict is kept, by digest."""
+    thread of its own (llguidance lets go of the GIL; the thread's stack is deep enough for its
+    recursion): a 64 KB schema can take 0.2 s, which on the event loop would stall every stream
+    this gateway serves. Apps send the same few schemas, so each verdict is kept, by digest."""
     text = parsed.sampling.json_schema
     if text is None or text == json_output.ANY_OBJECT:
         return
@@ -340,7 +347,7 @@ async def check_json_schema(parsed: ParsedRequest) -> None:
         _checked.move_to_end(key)
         error = _checked[key]
     else:
-        error = await asyncio.to_thread(json_output.schema_error, text)
+        error = await asyncio.get_running_loop().run_in_executor(_compiler(), json_output.schema_error, text)
         _checked[key] = error
         if len(_checked) > _CHECKED_MAX:
             _checked.popitem(last=False)

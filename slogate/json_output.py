@@ -7,15 +7,16 @@ costs a few milliseconds before the first token on the tiny model (compile and f
 rather than the seconds an automaton precompiled over the whole vocabulary can take, and it
 imports no torch, so the gateway checks a schema with the engines' own compiler.
 
-The JSON is compact (no whitespace between tokens) unless the schema's ``x-guidance`` options
-ask otherwise: where whitespace may go anywhere, an unsure model pads. The tiny test model
-filled ``max_tokens`` with spaces and newlines after its first key.
+The JSON is compact (no whitespace between tokens) unless the schema's ``x-guidance`` asks
+otherwise (``whitespace_flexible``): where whitespace may go anywhere, an unsure model pads.
+The tiny test model filled ``max_tokens`` with spaces and newlines after its first key.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 
@@ -29,11 +30,11 @@ MAX_SCHEMA_BYTES = 64 * 1024
 compile thread, which requests with new schemas queue for: 2,000 integer properties named
 ``field_0`` to ``field_1999`` (69 KB, just over) take 0.4 s on 2 CPU cores. OpenAI allows up
 to 5,000 properties."""
-MAX_DEPTH = 128
-"""Deepest chain of nested subschemas accepted, counting each object and list of the schema
-and following local ``$ref`` links. llguidance compiles by recursion: 1,100 arrays nested
-through ``$ref`` (61 KB) overflowed a thread's stack and killed the process (SIGSEGV). OpenAI
-allows 10 levels of objects, some 30 here."""
+COMPILE_STACK_BYTES = 256 * 2**20
+"""Stack of the threads that compile schemas. llguidance compiles by recursion, and ``$ref``
+chains nest without limit: 1,100 arrays chained through ``$ref`` (61 KB) overflowed a default
+8 MB thread stack and killed the process (SIGSEGV); the tersest chains fit some 3,000 links in
+:data:`MAX_SCHEMA_BYTES`. The stack is address space, reserved, not memory used."""
 LIMITS = llguidance.LLParserLimits(max_items_in_row=10_000, verbose_errors=False)
 """llguidance's default row limit (2,000 Earley items) fails an object of 500 properties at its
 first key; at 10,000 one of 2,000 works, its worst mask taking 3 ms. Verbose errors append the
@@ -44,19 +45,26 @@ _COMPACT = {"whitespace_flexible": False}
 
 def grammar(schema: str) -> str:
     """llguidance's grammar for ``schema`` (JSON text). Raises ValueError when it is not a
-    JSON object or nests deeper than :data:`MAX_DEPTH`; whether the grammar compiles is
-    :func:`schema_error`'s question."""
-    try:
-        document = json.loads(schema)
-    except RecursionError:
-        raise ValueError(f"the schema nests deeper than {MAX_DEPTH} levels") from None
-    if isinstance(document, dict):
-        try:
-            _depth(document, document, {})
-        except _TooDeep:
-            raise ValueError(f"the schema nests deeper than {MAX_DEPTH} levels (counting objects, lists and "
-                             "the $refs followed)") from None
+    JSON object, or its ``x-guidance`` options ask for more than whitespace; whether the
+    grammar compiles is :func:`schema_error`'s question. Compile it on a thread of
+    :func:`compiler`."""
+    options = json.loads(schema).get("x-guidance") if schema.lstrip().startswith("{") else None
+    if options is not None and (not isinstance(options, dict) or set(options) - {"whitespace_flexible"}):
+        raise ValueError("of the 'x-guidance' options only 'whitespace_flexible' is accepted: the others "
+                         "(lenient, separators, whitespace patterns) let output stray from the schema or from JSON")
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+
+
+def compiler(name: str) -> ThreadPoolExecutor:
+    """A one-thread executor for compiling schemas, its thread started now with a stack of
+    :data:`COMPILE_STACK_BYTES` (the size applies to threads started while it is set)."""
+    executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        executor.submit(int).result()
+    finally:
+        threading.stack_size(previous)
+    return executor
 
 
 def schema_error(schema: str) -> str | None:
@@ -74,48 +82,3 @@ def one_line(message: str) -> str:
     """llguidance's message as one line for a client (a regex error points at the fault over
     three lines; a matcher's error ends with a marker line)."""
     return " ".join(line.strip() for line in message.splitlines() if line.strip() not in ("", "<non-verbose/>"))
-
-
-class _TooDeep(Exception):
-    pass
-
-
-def _depth(node: Any, root: dict[str, Any], refs: dict[str, int], level: int = 0) -> int:
-    """Levels of objects and lists from ``node`` (``level`` levels down) on, a local ``$ref``
-    counted as the depth of what it points to (each worked out once; a reference back into its
-    own chain, a recursive schema that llguidance compiles as a loop, as 0). Raises _TooDeep
-    once past :data:`MAX_DEPTH`, so that the walk's own recursion stays bounded too."""
-    if level > MAX_DEPTH:
-        raise _TooDeep
-    if isinstance(node, list):
-        return 1 + max((_depth(v, root, refs, level + 1) for v in node if isinstance(v, (dict, list))), default=0)
-    if not isinstance(node, dict):
-        return 0
-    deepest = 0
-    ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        if ref not in refs:
-            refs[ref] = 0  # while it is worked out: a reference back to it is a loop
-            target = _pointer(root, ref)
-            refs[ref] = _depth(target, root, refs, level + 1) if target is not None else 0
-        deepest = refs[ref]
-        if level + deepest > MAX_DEPTH:
-            raise _TooDeep
-    for value in node.values():
-        if isinstance(value, (dict, list)):
-            deepest = max(deepest, _depth(value, root, refs, level + 1))
-    return 1 + deepest
-
-
-def _pointer(root: dict[str, Any], ref: str) -> Any:
-    """What a local JSON pointer (``#/$defs/a``) names in ``root``, or None."""
-    node: Any = root
-    for part in ref[1:].split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node

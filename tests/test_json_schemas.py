@@ -9,41 +9,46 @@ import sys
 from slogate import json_output
 from slogate.processes import ROOT
 
-
-def _array_chain(levels: int) -> str:
-    """Arrays nested ``levels`` deep, each through a ``$ref`` to the next."""
-    defs = {f"a{i}": {"type": "array", "items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(levels)}
-    defs[f"a{levels}"] = {"type": "integer"}
-    return json.dumps({"$ref": "#/$defs/a0", "$defs": defs})
-
-
-def test_a_chain_deeper_than_the_limit_is_refused_before_llguidance_sees_it() -> None:
-    assert json_output.schema_error(_array_chain(30)) is None
-    error = json_output.schema_error(_array_chain(200))
-    assert error is not None and f"deeper than {json_output.MAX_DEPTH} levels" in error
-    nested = '{"allOf":[' * 300 + '{"type":"integer"}' + "]}" * 300
-    assert "deeper than" in (json_output.schema_error(nested) or "")
+CHAINS = {
+    "plain": lambda n: {"$ref": "#/$defs/a0", "$defs": {
+        **{f"a{i}": {"type": "array", "items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(n)},
+        f"a{n}": {"type": "integer"}}},
+    "percent-encoded": lambda n: {"$ref": "#/%24defs/0", "$defs": {
+        **{f"{i}": {"type": "array", "items": {"$ref": f"#/%24defs/{i + 1}"}} for i in range(n)},
+        f"{n}": {"type": "integer"}}},
+    "by $id": lambda n: {"$id": "http://e/", "$ref": "0", "$defs": {
+        **{f"{i}": {"$id": f"{i}", "type": "array", "items": {"$ref": f"{i + 1}"}} for i in range(n)},
+        f"{n}": {"$id": f"{n}", "type": "integer"}}},
+}
+"""Arrays nested ``n`` deep, each through a ``$ref`` to the next, as three spellings of it."""
 
 
-def test_a_chain_that_overflowed_llguidances_stack_leaves_the_process_standing() -> None:
-    """1,100 levels (61 KB, under the size cap) killed the gateway with SIGSEGV; in a process of
-    its own here, so that a regression fails this test instead of the whole run."""
-    probe = ("from tests.test_json_schemas import _array_chain\nfrom slogate import json_output\n"
-             "print(json_output.schema_error(_array_chain(1100)))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "deeper than" in result.stdout
+def chain(kind: str, levels: int) -> str:
+    return json.dumps(CHAINS[kind](levels), separators=(",", ":"))
 
 
-def test_recursive_and_widely_shared_references_are_not_too_deep() -> None:
-    """A tree refers to itself (llguidance compiles it as a loop); forty levels of definitions
-    that each refer twice to the next would be 2**40 paths if each were walked."""
-    tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
-        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}
-    assert json_output.schema_error(json.dumps(tree)) is None
-    defs = {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"$ref": f"#/$defs/d{i + 1}"}]} for i in range(40)}
-    defs["d40"] = {"type": "integer"}
-    assert json_output.schema_error(json.dumps({"$ref": "#/$defs/d0", "$defs": defs})) is None
+def test_ref_chains_as_deep_as_the_size_cap_allows_compile_on_the_compile_thread() -> None:
+    """1,100 levels (61-64 KB, under the cap) overflowed a default thread stack in llguidance's
+    recursive compile and killed the gateway (SIGSEGV); on the compile thread they compile. In
+    a process of its own, so that a regression fails this test instead of the whole run."""
+    probe = ("from tests.test_json_schemas import CHAINS, chain\nfrom slogate import json_output\n"
+             "compiler = json_output.compiler('probe')\n"
+             "for kind in CHAINS:\n"
+             "    text = chain(kind, 1100)\n"
+             "    assert len(text.encode()) <= json_output.MAX_SCHEMA_BYTES, (kind, len(text))\n"
+             "    print(kind, compiler.submit(json_output.schema_error, text).result())\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.splitlines() == [f"{kind} None" for kind in CHAINS]
+
+
+def test_x_guidance_may_only_choose_whitespace() -> None:
+    """Its other options let output stray: ``lenient`` drops keywords llguidance does not
+    enforce, a separator of one's choosing is not JSON."""
+    assert json_output.schema_error('{"type": "array", "x-guidance": {"whitespace_flexible": true}}') is None
+    for options in ({"lenient": True}, {"item_separator": "; DROP "}, {"whitespace_pattern": ".*"}, "yes"):
+        error = json_output.schema_error(json.dumps({"type": "array", "x-guidance": options}))
+        assert error is not None and "only 'whitespace_flexible'" in error, options
 
 
 def test_errors_are_one_line() -> None:

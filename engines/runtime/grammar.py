@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import llguidance
@@ -41,7 +41,7 @@ class Grammars:
         except Exception as exc:  # noqa: BLE001 - JSON output refused with the reason, the engine serves on
             self._tokenizer_error = TokenizerUnsupported(
                 f"this model's tokenizer cannot constrain output to JSON: {exc}")
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="json-schema")
+        self._compiler = json_output.compiler("json-schema")
         """Compiles beside the steps (llguidance lets go of the GIL): a large schema takes
         tenths of a second, which between two steps would stall every stream."""
         self._compiled: OrderedDict[bytes, Future[Any]] = OrderedDict()

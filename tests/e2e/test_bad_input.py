@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
 
 from slogate.processes import Stack
 from tests.e2e.conftest import MODEL, start_stack
+from tests.test_json_schemas import chain
 
 MSGS = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -82,9 +84,8 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
         "name": "v", "schema": {"type": "string", "description": "🚀" * 20_000}}}},
      "response_format.json_schema.schema", ["at most 65536 bytes", "got 80"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "v", "schema": {"$ref": "#/$defs/a0", "$defs": {
-            **{f"a{i}": {"type": "array", "items": {"$ref": f"#/$defs/a{i + 1}"}} for i in range(200)},
-            "a200": {"type": "integer"}}}}}}, "response_format.json_schema.schema", ["deeper than 128 levels"]),
+        "name": "v", "schema": {"type": "array", "x-guidance": {"lenient": True}}}}},
+     "response_format.json_schema.schema", ["only 'whitespace_flexible'"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop": "}"}, "stop",
      ["cut the JSON short"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop_token_ids": [7]},
@@ -117,6 +118,19 @@ async def test_invalid_chat_bodies(stack: Stack, body: dict, param: str, words: 
     assert status == 400
     assert resp["error"]["type"] == "invalid_request_error"
     assert_error(resp, param, *words)
+
+
+async def test_a_ref_chain_as_deep_as_the_size_cap_allows_leaves_the_gateway_standing(stack: Stack) -> None:
+    """1,100 levels killed the gateway (SIGSEGV in llguidance's recursive compile); it compiles
+    now, and the sim worker then refuses JSON output as it does any."""
+    schema = json.loads(chain("percent-encoded", 1100))
+    status, resp, _ = await call(stack, CHAT, json_body={
+        "model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "deep", "schema": schema}}})
+    assert status == 400
+    assert_error(resp, "response_format", "simulated engine")
+    status, _, _ = await call(stack, "/healthz", method="GET")
+    assert status == 200
 
 
 async def test_completions_missing_prompt_or_best_of_above_one(stack: Stack) -> None:

@@ -5,6 +5,8 @@ preempted for memory, or cut by ``max_tokens``."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +21,7 @@ from engines.paged import PagedEngine, create
 from engines.runtime.grammar import Grammars
 from engines.stream import create as stream_create
 from slogate import json_output
+from slogate.processes import ROOT
 from slogate.protocol import SamplingParams
 
 VERDICT = {
@@ -267,3 +270,23 @@ def test_json_output_is_refused_naming_response_format_where_llguidance_cannot_r
         assert (refused.error_status, refused.error_param) == (400, "response_format")
         assert "tokenizer" in (refused.error or "")
     assert _result(outputs["free"])[2] == 3
+
+
+def test_a_ref_chain_as_deep_as_the_size_cap_allows_compiles_and_decodes(tiny_model_dir: Path) -> None:
+    """The engine's compile thread has the stack llguidance's recursion needs (1,100 levels
+    killed a default thread with SIGSEGV); decoding down the chain runs on the engine's
+    thread. In a process of its own, so that a regression fails this test alone."""
+    probe = ("import sys\nfrom transformers import AutoTokenizer\nfrom engines.runtime.grammar import Grammars\n"
+             "from tests.test_json_schemas import chain\n"
+             "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+             "grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])\n"
+             "matcher = grammars.start(grammars.compile(chain('plain', 1100)))\n"
+             "[bracket] = tokenizer('[', add_special_tokens=False).input_ids\n"
+             "for _ in range(1100):\n"
+             "    assert not grammars.blocked([matcher])[0, bracket]\n"
+             "    grammars.advance([matcher], [bracket])\n"
+             "print(matcher.is_error(), grammars.blocked([matcher])[0, bracket].item())\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(tiny_model_dir)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert result.stdout.split() == ["False", "True"]
