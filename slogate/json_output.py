@@ -35,10 +35,21 @@ COMPILE_STACK_BYTES = 256 * 2**20
 chains nest without limit: 1,100 arrays chained through ``$ref`` (61 KB) overflowed a default
 8 MB thread stack and killed the process (SIGSEGV); the tersest chains fit some 3,000 links in
 :data:`MAX_SCHEMA_BYTES`. The stack is address space, reserved, not memory used."""
-LIMITS = llguidance.LLParserLimits(max_items_in_row=10_000, verbose_errors=False)
-"""llguidance's default row limit (2,000 Earley items) fails an object of 500 properties at its
-first key; at 10,000 one of 2,000 works, its worst mask taking 3 ms. Verbose errors append the
-parser's state and the whole grammar, kilobytes a client cannot use."""
+LIMITS = llguidance.LLParserLimits(max_items_in_row=10_000, max_lexer_states=20_000, initial_lexer_fuel=200_000,
+                                   step_lexer_fuel=50_000, verbose_errors=False)
+"""What one schema may cost. A request past these ends with an error; its neighbours go on.
+
+- Row limit 10,000 Earley items (default 2,000): at 2,000 an object of 500 properties failed at
+  its first key; at 10,000 one of 2,000 works, its worst mask taking 3 ms.
+- Lexer states 20,000, initial fuel 200,000, step fuel 50,000 (defaults 250,000, 1,000,000 and
+  200,000). At the defaults a 49-byte pattern (``^(X{1000}){1000}$``) took 1.2 s and 258 MB to
+  compile, kept for as long as the schema stays cached. Another one (eight ``(a{300}){300}``
+  alternatives) took 22 ms of the engine's thread every token, each stream waiting for it. Now
+  they cost 0.14 s and 48 MB, and a few 15 ms masks before failing. A 5,000-value enum, 1,800
+  properties, every string format, and 1,000 properties with patterns work, their masks at
+  most 2 ms (tiny model).
+- Verbose errors off: they append the parser's state and the whole grammar, kilobytes a
+  client cannot use."""
 
 _COMPACT = {"whitespace_flexible": False}
 
@@ -48,7 +59,11 @@ def grammar(schema: str) -> str:
     JSON object, or its ``x-guidance`` options ask for more than whitespace; whether the
     grammar compiles is :func:`schema_error`'s question. Compile it on a thread of
     :func:`compiler`."""
-    options = json.loads(schema).get("x-guidance") if schema.lstrip().startswith("{") else None
+    try:
+        document = json.loads(schema)
+    except RecursionError:
+        raise ValueError("the schema is nested too deeply") from None
+    options = document.get("x-guidance") if isinstance(document, dict) else None
     if options is not None and (not isinstance(options, dict) or set(options) - {"whitespace_flexible"}):
         raise ValueError("of the 'x-guidance' options only 'whitespace_flexible' is accepted: the others "
                          "(lenient, separators, whitespace patterns) let output stray from the schema or from JSON")

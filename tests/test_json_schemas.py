@@ -55,3 +55,10 @@ def test_errors_are_one_line() -> None:
     error = json_output.schema_error('{"type": "string", "pattern": "(("}')
     assert error is not None and "\n" not in error
     assert error.startswith("regex parse error:") and "unclosed group" in error
+
+
+def test_a_schema_nested_past_pythons_recursion_is_a_reason_not_a_crash() -> None:
+    """990 levels pass the gateway's body decoder; Python's JSON parser then recursed too deep,
+    and the error escaped as a 500."""
+    nested = '{"type":"array","items":' * 990 + '{"type":"integer"}' + "}" * 990
+    assert json_output.schema_error(nested) == "the schema is nested too deeply"

@@ -132,28 +132,37 @@ class PagedEngine:
             return
         tracker = OutputTracker(self.loaded.tokenizer, request.sampling, self.loaded.eos_token_ids, prompt_ids)
         live = _Live(seq, tracker, make_generator(request.sampling, self.loaded.device))
-        if request.sampling.json_schema is not None:
-            self._compiling[request.id] = (live, self.grammars.compile(request.sampling.json_schema))
+        if request.sampling.json_schema is None:
+            self._start(request.id, live)
             return
-        self._live[request.id] = live
-        self.scheduler.add(seq)
+        compiled = self.grammars.compile(request.sampling.json_schema)
+        if not compiled.done():
+            self._compiling[request.id] = (live, compiled)
+        elif (failed := self._start(request.id, live, compiled)) is not None:  # kept: it may cut in now
+            self._pending.append(failed)
+
+    def _start(self, rid: str, live: _Live, compiled: Future[Any] | None = None) -> StepOutput | None:
+        """Hand a request to the scheduler, with a matcher of its own from its schema's finished
+        compile if it has one; the error output instead if that schema cannot compile."""
+        if compiled is not None:
+            try:
+                live.matcher = self.grammars.start(compiled)
+            except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
+                param = "response_format" if isinstance(exc, TokenizerUnsupported) else _schema_param(live)
+                return _error(rid, f"cannot hold the output to 'response_format': {exc}",
+                              live.seq.num_prompt_tokens, param=param)
+        self._live[rid] = live
+        self.scheduler.add(live.seq)
+        return None
 
     def _start_compiled(self) -> list[StepOutput]:
         """Start the requests whose JSON schema has compiled; fail those whose schema cannot."""
         failed = []
         for rid, (live, compiled) in list(self._compiling.items()):
-            if not compiled.done():
-                continue
-            del self._compiling[rid]
-            try:
-                live.matcher = self.grammars.start(compiled)
-            except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
-                param = "response_format" if isinstance(exc, TokenizerUnsupported) else _schema_param(live)
-                failed.append(_error(rid, f"cannot hold the output to 'response_format': {exc}",
-                                     live.seq.num_prompt_tokens, param=param))
-                continue
-            self._live[rid] = live
-            self.scheduler.add(live.seq)
+            if compiled.done():
+                del self._compiling[rid]
+                if (error := self._start(rid, live, compiled)) is not None:
+                    failed.append(error)
         return failed
 
     def abort_request(self, request_id: str) -> None:
@@ -246,6 +255,7 @@ class PagedEngine:
         if live.matcher is not None and live.matcher.is_error():  # past llguidance's limits, or a bug
             self._live.pop(seq.request_id, None)
             self.scheduler.finish(seq)
+            self.grammars.forget(seq.sampling.json_schema or "")
             return _error(seq.request_id, f"cannot hold the output to 'response_format': {matcher_error(live.matcher)}",
                           seq.num_prompt_tokens, param=_schema_param(live))
         text, finish = live.tracker.append(token)

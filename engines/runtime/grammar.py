@@ -25,10 +25,10 @@ from slogate import json_output
 class Grammars:
     """An engine's JSON schemas: its tokenizer as llguidance reads it (built with the engine; a
     large vocabulary takes about a second), the schemas compiled on a thread of their own, and
-    the last few kept, so an app that sends the same schema with every request pays for one
-    compile."""
+    the last 16 kept (a compile may hold tens of megabytes), so an app that sends the same
+    schema with every request pays for one compile."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int], keep: int = 64) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Collection[int], keep: int = 16) -> None:
         self._vocab_size = vocab_size
         self._tokenizer: Any = None
         self._tokenizer_error: TokenizerUnsupported | None = None
@@ -52,7 +52,7 @@ class Grammars:
         """The compile of ``schema``: started now on the compile thread unless kept or under
         way. Its result is a pristine matcher, for :meth:`start`; its error a ValueError with a
         reason a client can act on."""
-        key = hashlib.blake2b(schema.encode(), digest_size=16).digest()
+        key = _digest(schema)
         compiled = self._compiled.get(key)
         if compiled is None or compiled.cancelled() or _failed_by_chance(compiled):
             compiled = self._compiled[key] = self._compiler.submit(self._build, schema)
@@ -60,6 +60,11 @@ class Grammars:
                 self._compiled.popitem(last=False)
         self._compiled.move_to_end(key)
         return compiled
+
+    def forget(self, schema: str) -> None:
+        """Drop a kept compile whose matchers failed: copies share its lexer and the lexer's
+        budget, so once one request used that up, every later copy would fail too."""
+        self._compiled.pop(_digest(schema), None)
 
     def start(self, compiled: Future[Any]) -> Any:
         """A matcher of one request's own from a finished compile (raises its ValueError)."""
@@ -113,3 +118,7 @@ def _failed_by_chance(compiled: Future[Any]) -> bool:
     later request should not inherit."""
     return compiled.done() and not compiled.cancelled() and compiled.exception() is not None \
         and not isinstance(compiled.exception(), ValueError)
+
+
+def _digest(schema: str) -> bytes:
+    return hashlib.blake2b(schema.encode(), digest_size=16).digest()

@@ -290,3 +290,43 @@ def test_a_ref_chain_as_deep_as_the_size_cap_allows_compiles_and_decodes(tiny_mo
                             text=True, timeout=120)
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_a_request_whose_schema_is_kept_cuts_in_like_free_text(tiny_model_dir: Path, engine_device: str) -> None:
+    """Its schema compiled for an earlier request, it starts as it arrives, mid-step: its first
+    token is sent while the step is paused, as a free-text newcomer's is."""
+    engine = stream_create(str(tiny_model_dir), dtype="fp32", device=engine_device, num_blocks=256)
+    engine.grammars.compile(json.dumps(VERDICT)).result()
+    engine.add_request(EngineRequest("s0", SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                                     time.time() + 3600, prompt=PROMPTS[0]))
+    engine.step()
+    sent: list[StepOutput] = []
+    added: list[str] = []
+
+    def arrivals() -> bool:
+        if added:
+            return False
+        added.append("late")
+        engine.add_request(EngineRequest("late", _sampling(VERDICT), time.time() + 3600, prompt=PROMPTS[1]))
+        return True
+
+    engine.step(arrivals, sent.extend)
+    assert [o.request_id for o in sent if o.token_ids][:1] == ["late"]
+
+
+def test_a_pattern_past_llguidances_limits_fails_its_request_and_is_not_kept(make_engine: MakeEngine) -> None:
+    """Eight ``(a{300}){300}`` alternatives took 22 ms of every step at llguidance's default
+    limits; within ours the request ends with a 400. Copies of a compile share its lexer's
+    budget, so the spent compile is dropped: the next request with it compiles afresh."""
+    engine = make_engine()
+    alternatives = "|".join(f"({c}{{300}}){{300}}" for c in "abcdefgh")
+    schema = json.dumps({"type": "string", "pattern": f"^({alternatives})$"})
+    first = engine.grammars.compile(schema)
+    outputs = _run(engine, [("costly", PROMPTS[0], _sampling(schema, max_tokens=400, temperature=1.0, seed=1)),
+                            ("free", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))])
+    refused = outputs["costly"][-1]
+    assert (refused.finish_reason, refused.error_status, refused.error_param) == (
+        "error", 400, "response_format.json_schema.schema")
+    assert "lexer" in (refused.error or "")
+    assert engine.grammars.compile(schema) is not first
+    assert _result(outputs["free"])[2] == 20
