@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import math
 import re
 from collections import OrderedDict
@@ -342,7 +341,7 @@ async def check_json_schema(parsed: ParsedRequest) -> None:
     text = parsed.sampling.json_schema
     if text is None or text == json_output.ANY_OBJECT:
         return
-    key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    key = json_output.digest(text)
     if key in _checked:
         _checked.move_to_end(key)
         error = _checked[key]

@@ -14,6 +14,7 @@ The tiny test model filled ``max_tokens`` with spaces and newlines after its fir
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,11 @@ def grammar(schema: str) -> str:
         raise ValueError("of the 'x-guidance' options only 'whitespace_flexible' is accepted: the others "
                          "(lenient, separators, whitespace patterns) let output stray from the schema or from JSON")
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+
+
+def digest(schema: str) -> bytes:
+    """What compiled schemas are kept by."""
+    return hashlib.blake2b(schema.encode(), digest_size=16).digest()
 
 
 def compiler(name: str) -> ThreadPoolExecutor:

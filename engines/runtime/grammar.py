@@ -8,7 +8,6 @@ model to choose EOS: a small model may never choose it.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future
@@ -32,10 +31,10 @@ class Grammars:
         self._vocab_size = vocab_size
         self._tokenizer: Any = None
         self._tokenizer_error: TokenizerUnsupported | None = None
-        try:  # now, on the engine's thread: the compile thread borrowing the tokenizer beside a
-            # prompt's tokenizing can fail ("Already borrowed")
-            # llguidance wants every token the tokenizer has; tokens beyond the model's logits
-            # (added ones a model was not resized for) are cut from the masks again
+        # Built here, on the engine's thread: on the compile thread, borrowing the tokenizer
+        # beside a prompt being tokenized can fail ("Already borrowed"). llguidance wants every
+        # token the tokenizer has; those beyond the model's logits are cut from the masks again.
+        try:
             self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)),
                                                            eos_token=sorted(eos_token_ids) or None)
         except Exception as exc:  # noqa: BLE001 - JSON output refused with the reason, the engine serves on
@@ -52,7 +51,7 @@ class Grammars:
         """The compile of ``schema``: started now on the compile thread unless kept or under
         way. Its result is a pristine matcher, for :meth:`start`; its error a ValueError with a
         reason a client can act on."""
-        key = _digest(schema)
+        key = json_output.digest(schema)
         compiled = self._compiled.get(key)
         if compiled is None or compiled.cancelled() or _failed_by_chance(compiled):
             compiled = self._compiled[key] = self._compiler.submit(self._build, schema)
@@ -64,7 +63,7 @@ class Grammars:
     def forget(self, schema: str) -> None:
         """Drop a kept compile whose matchers failed: copies share its lexer and the lexer's
         budget, so once one request used that up, every later copy would fail too."""
-        self._compiled.pop(_digest(schema), None)
+        self._compiled.pop(json_output.digest(schema), None)
 
     def start(self, compiled: Future[Any]) -> Any:
         """A matcher of one request's own from a finished compile (raises its ValueError)."""
@@ -88,10 +87,9 @@ class Grammars:
         Computed here, one matcher after another: llguidance's parallel executor hands the work
         to threads of its own, which on 2 cores cost more than they saved (16 streams of the
         tiny model: steps 65-85 µs a stream longer than free text with it, 30-42 without; two
-        runs each of ``benchmarks.json_output``). A matcher that failed
-        allows only EOS; one that allows nothing at all blocks nothing, so that a row always
-        has a token of the vocabulary to sample (the request then ends with the matcher's
-        error)."""
+        runs each of ``benchmarks.json_output``). A matcher that failed allows only EOS; one
+        that allows nothing at all blocks nothing, so that a row always has a token of the
+        vocabulary to sample (the request then ends with the matcher's error)."""
         masks = np.frombuffer(b"".join(m.compute_bitmask() for m in matchers), dtype=np.uint8)
         allowed = np.unpackbits(masks.reshape(len(matchers), -1), axis=1, bitorder="little")[:, : self._vocab_size]
         blocked = allowed == 0
@@ -116,9 +114,7 @@ def matcher_error(matcher: Any) -> str:
 def _failed_by_chance(compiled: Future[Any]) -> bool:
     """A compile that raised something other than a client's fault (a ValueError), which a
     later request should not inherit."""
-    return compiled.done() and not compiled.cancelled() and compiled.exception() is not None \
-        and not isinstance(compiled.exception(), ValueError)
-
-
-def _digest(schema: str) -> bytes:
-    return hashlib.blake2b(schema.encode(), digest_size=16).digest()
+    if not compiled.done() or compiled.cancelled():
+        return False
+    error = compiled.exception()
+    return error is not None and not isinstance(error, ValueError)
