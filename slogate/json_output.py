@@ -46,9 +46,9 @@ LIMITS = llguidance.LLParserLimits(max_items_in_row=10_000, max_lexer_states=20_
   200,000). At the defaults a 49-byte pattern (``^(X{1000}){1000}$``) took 1.2 s and 258 MB to
   compile, kept for as long as the schema stays cached. Another one (eight ``(a{300}){300}``
   alternatives) took 22 ms of the engine's thread every token, each stream waiting for it. Now
-  they cost 0.14 s and 48 MB, and a few 15 ms masks before failing. A 5,000-value enum, 1,800
-  properties, every string format, and 1,000 properties with patterns work, their masks at
-  most 2 ms (tiny model).
+  they cost 0.14 s and 48 MB, and a few masks of up to 20 ms before failing. A 5,000-value
+  enum, 1,800 properties, every string format, and 1,000 properties with patterns work, their
+  masks at most 2 ms (tiny model).
 - Verbose errors off: they append the parser's state and the whole grammar, kilobytes a
   client cannot use."""
 
