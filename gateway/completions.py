@@ -86,6 +86,9 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, f"request body exceeds the limit of {limit} bytes", None,
                        "request_too_large") from None
+    except web.RequestPayloadError as exc:  # a body that is not the Content-Encoding it claims
+        raise APIError(400, f"the request body could not be read: {' '.join(str(exc).split())}", None,
+                       "invalid_body") from None
 
 
 def _deadline(request: web.Request, now: float, cls: str, state: GatewayState) -> float:
@@ -119,22 +122,22 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
         deadline = _deadline(request, arrived, cls, state)
     request["audit"]["cls"] = cls
-    with tracing.span("admit", **{"slogate.class": cls}) as span:
-        if state.keys.enabled:
-            await _rate_limit(state, caller, parsed)
-        await schema.check_json_schema(parsed)  # after the rate limit: a compile may take a thread for 0.5 s
-        decision = await admit(state, parsed, cls, deadline, caller.key_id)
-        if span is not None:
-            span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
-    request["audit"].update(pool=decision.pool, decision=decision.reason)
-    slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
-    try:
-        if not parsed.stream:
+    async with contextlib.AsyncExitStack() as held:
+        with tracing.span("admit", **{"slogate.class": cls}) as span:
+            if state.keys.enabled:
+                await _rate_limit(state, caller, parsed)
+            await schema.check_json_schema(parsed)  # after the rate limit: a compile may take a thread for 0.5 s
+            if parsed.stream:  # before admission, which books the prompt's time for a request it lets go
+                await held.enter_async_context(_stream_slot(state, caller.key_id, deadline))
+            decision = await admit(state, parsed, cls, deadline, caller.key_id)
+            if span is not None:
+                span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
+        request["audit"].update(pool=decision.pool, decision=decision.reason)
+        slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
+        try:
             return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
-        async with _stream_slot(state, caller.key_id, deadline):
-            return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
-    finally:
-        state.directory.own.end(decision.pool, slot)
+        finally:
+            state.directory.own.end(decision.pool, slot)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
@@ -246,8 +249,8 @@ def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Call
         raise APIError(404, f"model '{parsed.model}' is not served here (served: {served})",
                        "model", "model_not_found")
     if parsed.sampling.max_tokens >= model.max_context:
-        raise bad_request(f"max_tokens ({parsed.sampling.max_tokens}) must be below the model's "
-                          f"context length ({model.max_context})", "max_tokens", "context_length_exceeded")
+        raise bad_request(f"{parsed.max_tokens_param} ({parsed.sampling.max_tokens}) must be below the model's "
+                          f"context length ({model.max_context})", parsed.max_tokens_param, "context_length_exceeded")
 
 
 def _classify(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller,

@@ -128,6 +128,8 @@ class ParsedRequest:
     include_usage: bool
     sampling: SamplingParams
     max_tokens_given: bool
+    max_tokens_param: str = "max_tokens"
+    """Which of ``max_tokens`` and ``max_completion_tokens`` the client set, for errors to name."""
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     continuous_usage: bool = False
@@ -230,7 +232,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request(f"'{param}' must be at least 1, got {max_tokens}", param)
     min_tokens = raw.min_tokens or 0
     if min_tokens < 0 or min_tokens > (max_tokens or default_max_tokens):
-        raise bad_request(f"'min_tokens' must be between 0 and max_tokens ({max_tokens or default_max_tokens}"
+        raise bad_request(f"'min_tokens' must be between 0 and {param} ({max_tokens or default_max_tokens}"
                           f"{'' if max_tokens else ', the default'})", "min_tokens")
     stop_ids = raw.stop_token_ids or []
     if len(stop_ids) > MAX_STOP_TOKEN_IDS or any(not 0 <= i < 2**31 for i in stop_ids):
@@ -251,7 +253,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
-        sampling=sampling, max_tokens_given=max_tokens is not None,
+        sampling=sampling, max_tokens_given=max_tokens is not None, max_tokens_param=param,
         continuous_usage=bool(raw.stream_options and raw.stream_options.include_usage
                               and raw.stream_options.continuous_usage_stats))
     if isinstance(raw, ChatBody):

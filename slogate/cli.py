@@ -90,7 +90,11 @@ def cmd_tiny_model(args: argparse.Namespace, cfg: Config) -> None:
 def cmd_hash_key(args: argparse.Namespace, cfg: Config) -> None:
     from gateway.auth import hash_key
 
-    secret = args.secret if args.secret is not None else sys.stdin.readline().rstrip("\n")
+    # stripped as the gateway strips what follows "Bearer", or a key typed with a CR or a space
+    # would hash to what no request matches
+    secret = (args.secret if args.secret is not None else sys.stdin.readline()).strip()
+    if not secret:
+        raise ValueError("hash-key: the key is empty")
     print(hash_key(secret))
 
 

@@ -6,6 +6,7 @@ with a silently ignored setting is worse than one that does not start.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -221,8 +222,8 @@ def _check_ranges(cfg: Config) -> None:
                 "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s",
                 "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key}: must be positive, got {getattr(cfg, key)}")
+        if not 0 < getattr(cfg, key) < math.inf:  # NaN too, which every comparison lets through
+            raise ConfigError(f"{key}: must be a positive finite number, got {getattr(cfg, key)}")
     if cfg.port > 65535:
         raise ConfigError(f"port: must be at most 65535, got {cfg.port}")
     if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:
@@ -240,6 +241,13 @@ def _check_ranges(cfg: Config) -> None:
         if pool.engine not in ENGINES:
             raise ConfigError(f"pools.{name}.engine: unknown engine {pool.engine!r}; choose one of "
                               f"{', '.join(ENGINES)}")
+    known = {k.id for k in cfg.api_keys} or {"anonymous"}
+    for where, named in (("rate_limits.per_key", cfg.policies.rate_limits.per_key),
+                         ("classification.key_classes", cfg.policies.classification.key_classes)):
+        unknown = sorted(set(named) - known)
+        if unknown:  # a misspelt id would never apply
+            raise ConfigError(f"policies.{where}: {unknown[0]!r} is not the id of any configured API key "
+                              f"({', '.join(sorted(known))})")
     routing = cfg.policies.routing
     for where, named in (("pools.interactive", routing.pools.interactive), ("pools.batch", routing.pools.batch),
                          ("interactive_spill", routing.interactive_spill)):

@@ -1,6 +1,10 @@
+import io
+
 import pytest
 
-from slogate.config import ConfigError, load_config, redacted, unknown_variables
+from gateway.auth import KeyStore
+from slogate.cli import main
+from slogate.config import ApiKeyConfig, ConfigError, load_config, redacted, unknown_variables
 
 
 def test_defaults() -> None:
@@ -83,3 +87,44 @@ def test_a_key_s_stream_count_outlives_the_longest_stream() -> None:
 def test_slogate_variables_nothing_reads_are_named() -> None:
     env = {"SLOGATE_PORTT": "1", "SLOGATE_PORT": "9000", "SLOGATE_WORKLOAD": "w.jsonl", "OTHER": "x"}
     assert unknown_variables(env) == ["SLOGATE_PORTT"]
+
+
+@pytest.mark.parametrize("name", ["max_timeout_s", "client_timeout_s", "heartbeat_ttl_s", "workerless_grace_s"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_setting_that_is_not_a_finite_number_is_refused(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        load_config(None, env={f"SLOGATE_{name.upper()}": value})
+
+
+def test_a_nan_setting_in_the_file_is_refused(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("max_timeout_s: .nan\n")
+    with pytest.raises(ConfigError, match="max_timeout_s"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("section", ["rate_limits: {per_key: {paymnets: {rpm: 6000}}}",
+                                     "classification: {key_classes: {paymnets: interactive}}"])
+def test_a_policy_for_a_key_id_no_api_key_has_is_refused(section: str, tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("api_keys: [{id: payments, sha256: " + "ab" * 32 + "}]\npolicies: {" + section + "}\n")
+    with pytest.raises(ConfigError, match="paymnets"):
+        load_config(path, env={})
+    path.write_text("api_keys: [{id: payments, sha256: " + "ab" * 32 + "}]\npolicies: {"
+                    + section.replace("paymnets", "payments") + "}\n")
+    load_config(path, env={})
+
+
+@pytest.mark.parametrize("typed", ["sk-abc\r\n", "sk-abc \n", " sk-abc\n"])
+def test_a_key_hashed_from_stdin_authenticates(typed: str, monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(typed))
+    main(["hash-key"])
+    digest = capsys.readouterr().out.strip()
+    assert KeyStore([ApiKeyConfig("ops", digest)]).authenticate("Bearer sk-abc").key_id == "ops"
+
+
+def test_an_empty_key_is_not_hashed(monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(" \n"))
+    with pytest.raises(SystemExit):
+        main(["hash-key"])
+    assert "the key is empty" in capsys.readouterr().err

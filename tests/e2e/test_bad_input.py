@@ -254,3 +254,28 @@ async def test_slow_clients_are_cut_off(redis_server) -> None:
         assert status == 200
     finally:
         slow.stop()
+
+
+async def test_a_body_that_does_not_decompress_is_a_400(stack: Stack) -> None:
+    """aiohttp decodes Content-Encoding itself: a body that is not the gzip (or br, deflate)
+    it claims is the client's mistake, a 400 naming it, not a 500 logged as the gateway's."""
+    for encoding in ("gzip", "br", "deflate"):
+        status, resp, _ = await call(stack, CHAT, data=b"this is not compressed",
+                                     headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+        assert status == 400, (encoding, resp)
+        assert resp["error"]["code"] == "invalid_body"
+        assert_error(resp, None, "could not be read", encoding)
+
+
+async def test_max_tokens_beyond_the_context_is_named_as_sent(stack: Stack) -> None:
+    status, resp, _ = await call(stack, CHAT, json_body={"model": MODEL, "messages": MSGS,
+                                                         "max_completion_tokens": 10**6})
+    assert status == 400
+    assert_error(resp, "max_completion_tokens", "max_completion_tokens", "context length")
+    status, resp, _ = await call(stack, CHAT, json_body={"model": MODEL, "messages": MSGS, "max_tokens": 10**6})
+    assert status == 400
+    assert_error(resp, "max_tokens", "max_tokens (1000000)", "context length")
+    status, resp, _ = await call(stack, CHAT, json_body={"model": MODEL, "messages": MSGS,
+                                                         "max_completion_tokens": 4, "min_tokens": 5})
+    assert status == 400
+    assert_error(resp, "min_tokens", "between 0 and max_completion_tokens (4)")
