@@ -306,7 +306,7 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     log.info("draining: %d request(s) in flight, %d held back, grace %.0fs", state.in_flight, len(state.holds),
              grace_s)
     end = time.monotonic() + grace_s
-    while (state.in_flight or state.holds) and time.monotonic() < end:
+    while state.handling and time.monotonic() < end:
         await asyncio.sleep(0.05)
     if state.in_flight:
         # Each gets its answer's end, a 503 (an error event on a stream), not a cut connection

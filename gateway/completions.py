@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from redis.exceptions import RedisError
@@ -110,6 +111,14 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     if state.draining:
         raise APIError(503, "gateway is shutting down; retry on another replica", None, "shutting_down")
+    state.handling += 1
+    try:
+        return await _handle(request, state, kind)
+    finally:
+        state.handling -= 1
+
+
+async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.StreamResponse:
     arrived = time.time()
     with tracing.span("validate"):
         caller = state.keys.authenticate(request.headers.get("Authorization"))
@@ -196,11 +205,22 @@ async def _stream_slot(state: GatewayState, key_id: str, deadline: float) -> Asy
     slots = keys.stream_slots(key_id)
     slot = os.urandom(8).hex()
     limit = state.cfg.max_streams_per_key
+    taking = state.batcher.call("EVAL", _TAKE_SLOT, 1, slots, limit, slot,
+                                round(deadline - time.time() + STREAM_SLOT_SLACK_S, 3),
+                                _longest_stream_s(state.cfg) + STREAM_SLOT_SLACK_S)
+
+    def give_back(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled():
+            done.exception()  # retrieved: taken or not, the slot is given back
+        state.batcher.fire("ZREM", slots, slot)
+
     try:
-        taken = await state.batcher.call("EVAL", _TAKE_SLOT, 1, slots, limit, slot,
-                                         round(deadline - time.time() + STREAM_SLOT_SLACK_S, 3),
-                                         _longest_stream_s(state.cfg) + STREAM_SLOT_SLACK_S)
+        taken = await asyncio.shield(taking)
+    except asyncio.CancelledError:  # the client left, but Redis may still take the slot: once it answers
+        taking.add_done_callback(give_back)
+        raise
     except (RedisError, OSError) as exc:
+        state.batcher.fire("ZREM", slots, slot)  # it may have run, its reply lost
         raise APIError(503, f"cannot count open streams: Redis is unavailable ({exc})", None,
                        "redis_unavailable") from None
     if not taken:
@@ -286,7 +306,7 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
     (None, QUIET) when a stream has heard nothing for a while. ``before_wait`` is awaited
     whenever no record is queued, before waiting for one."""
     try:
-        async with asyncio.timeout(job.gen.deadline - time.time() + 0.25):
+        async with asyncio.timeout(job.gen.deadline - time.time() + LATE_S):
             while True:
                 if before_wait is not None and job.sub.records.empty():
                     await before_wait()
@@ -358,6 +378,9 @@ STREAM_HOLD_S = 0.5
 """How long a stream waits for its first record before it answers: a request the worker
 refuses at once (a prompt beyond the context) gets its own status, 400, as when not streamed,
 instead of a 200 and an error event; one still queued gets its headers soon all the same."""
+LATE_S = 0.25
+"""How long after its deadline the gateway still waits for a request: time for the worker's own
+answer to the deadline to arrive first."""
 
 
 async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
@@ -384,9 +407,10 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
             await resp.write(data)
 
     resp = None
+    late_at = job.gen.deadline + LATE_S
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(job.sub.arrived.wait(), STREAM_HOLD_S)
-    if not job.sub.arrived.is_set():
+        await asyncio.wait_for(job.sub.arrived.wait(), max(0.0, min(STREAM_HOLD_S, late_at - time.time())))
+    if not job.sub.arrived.is_set() and time.time() < late_at:  # past it, the answer is the 504 itself
         resp = await start()
         await send()
     try:

@@ -41,6 +41,9 @@ class GatewayState:
     sealer: Sealer
     audit: AuditLog
     draining: bool = False
+    handling: int = 0
+    """Requests past the draining check, at any stage (a body still arriving, admission, queued,
+    answering): a drain waits for them all."""
     in_flight: int = 0
     holds: HoldLine = field(default_factory=HoldLine)
     """Batch requests held back before queueing (``gateway.admit``): a drain wakes them, and

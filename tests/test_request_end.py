@@ -54,6 +54,24 @@ async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_20
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
 
 
+
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+async def test_a_stream_whose_deadline_passes_while_held_is_a_504_not_a_200() -> None:
+    """Nothing came before the deadline, which passed within the hold: no byte was sent, so the
+    answer is the 504 itself, as when not streamed."""
+
+    from gateway.completions import _stream
+    from gateway.errors import APIError
+    from gateway.results import Subscription
+
+    writes = _Writes()
+    job = _stream_job(Subscription("r", keep_alive=True))
+    job.gen.deadline = time.time() + 0.05
+    with pytest.raises(APIError) as late:
+        await _stream(_http_request(writes), job)
+    assert (late.value.status, late.value.code) == (504, "deadline_exceeded")
+    assert writes.calls == []
+
 class _Writes:
     """A response's payload writer that keeps what each call sent."""
 

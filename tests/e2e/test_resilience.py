@@ -81,6 +81,31 @@ async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> No
         stack.stop()
 
 
+
+async def test_a_request_whose_body_is_still_arriving_when_the_drain_starts_is_served(
+        redis_server: LocalRedis) -> None:
+    """It passed the draining check already: the drain waits for it as for any in flight."""
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = stack_on(redis_server)
+    gateway = stack.procs[0]
+    try:
+        body = json.dumps(SCORE).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        gateway.send_signal(signal.SIGTERM)
+        await asyncio.sleep(1.0)  # a slow link: the rest of the body comes a second later
+        writer.write(body[10:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert gateway.wait(timeout=10) == 0
+    finally:
+        stack.stop()
+
 async def test_requests_still_open_when_the_grace_ends_get_a_503_and_stop(redis_server: LocalRedis) -> None:
     """Cut off without a word, a stream looked like a network fault, and its work went on."""
     client = redis.Redis.from_url(redis_server.url)

@@ -1,23 +1,28 @@
-"""A stream refused for its key's open-stream limit (429 too_many_streams) is never queued: it
-must leave no prompt booked against the pool, where it delays every other key's requests."""
+"""A key's stream slots: taken before admission, and never held by a stream that never started."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from types import SimpleNamespace
 
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import make_app
 from gateway.auth import hash_key
+from gateway.batcher import CommandBatcher
+from gateway.completions import _stream_slot
 from gateway.state import STATE
 from policies import config as policy_config
 from slogate import keys, protocol
-from slogate.config import ApiKeyConfig, Config
+from slogate.config import ApiKeyConfig, Config, load_config
 from slogate.protocol import Heartbeat, ModelInfo
 
 
 async def test_a_stream_refused_for_the_key_limit_books_no_prompt(redis_url: str) -> None:
+    """Refused with 429 too_many_streams, it is never queued: it must leave no prompt booked
+    against the pool, where it would push every other key's requests back."""
     r = aioredis.Redis.from_url(redis_url)
     hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
                    waiting=0, capacity=8, prefill_s_per_token=1e-4, decode_step_s=0.005)
@@ -39,3 +44,26 @@ async def test_a_stream_refused_for_the_key_limit_books_no_prompt(redis_url: str
                                    signals=state.directory.signals(), now=time.time(), model="m")
         assert (d.outcome, d.reason) == ("admit", "fits"), (d, state.admission.prompts["interactive"])
     await r.aclose()
+
+
+async def test_a_client_that_leaves_while_its_slot_is_taken_does_not_keep_it(redis_url: str) -> None:
+    """The client hangs up while Redis takes the slot: Redis took it all the same, and it must
+    be given back, not held until the stream's deadline (an hour for batch)."""
+    client = aioredis.Redis.from_url(redis_url)
+    state = SimpleNamespace(keys=SimpleNamespace(enabled=True), batcher=CommandBatcher(client),
+                            cfg=load_config(env={}))
+
+    async def handler() -> None:
+        async with _stream_slot(state, "payments", time.time() + 3600):
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(handler())
+    await asyncio.sleep(0)  # the EVAL is queued; its reply has not come
+    task.cancel()  # the client disconnects (aiohttp cancels the handler)
+    await asyncio.gather(task, return_exceptions=True)
+    for _ in range(50):
+        if not await client.zcard(keys.stream_slots("payments")):
+            break
+        await asyncio.sleep(0.02)
+    assert await client.zcard(keys.stream_slots("payments")) == 0
+    await client.aclose()
