@@ -94,6 +94,10 @@ class Worker:
         """Records queued for the next send, per reply stream: (request id, sealed message)."""
         self._acks: list[bytes] = []
         """Queue entries to acknowledge once the records before them are written."""
+        self._unacked: set[bytes] = set()
+        """Queue entries settled here whose ack Redis has not taken yet: still this worker's, kept
+        from idling into another's claim (Redis out of memory refuses the records and the ack,
+        not a claim), and never started again here."""
         self._send_wake = asyncio.Event()
         self._send_failing = False
         self._quiet_step_s = 0.0
@@ -195,7 +199,7 @@ class Worker:
                 drop.append(entry_id)
                 continue
             attempt = attempts.get(entry_id, 1) if attempts else 1
-            if req.id in self.inflight:
+            if req.id in self.inflight or entry_id in self._unacked:
                 continue
             if attempt > self.s.max_attempts:
                 self._fail(req, entry_id, attempt, Error(
@@ -276,6 +280,7 @@ class Worker:
         before them."""
         if entry_ids:
             self._acks.extend(entry_ids)
+            self._unacked.update(entry_ids)
             self._send_wake.set()
 
     # -- engine ---------------------------------------------------------------------------
@@ -407,6 +412,7 @@ class Worker:
                 p.xdel(self.queue, *acks)
             try:
                 await p.execute()
+                self._unacked.difference_update(acks)
                 if self._send_failing:
                     self._send_failing = False
                     log.info("records are reaching Redis again")
@@ -589,7 +595,7 @@ class Worker:
 
     async def _refresh_own(self) -> None:
         """Reset the idle time of what this worker holds, so nobody claims a live request."""
-        ids = [job.entry_id for job in self.inflight.values()]
+        ids = [job.entry_id for job in self.inflight.values()] + list(self._unacked)
         if ids:
             await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0, ids, justid=True)
 

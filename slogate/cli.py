@@ -53,6 +53,9 @@ def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
 def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     if not args.pool.strip():
         raise ConfigError("--pool: must name a pool")
+    if args.pool not in cfg.pools and args.engine is None:  # a misspelt pool would serve made-up text
+        raise ConfigError(f"--pool: {args.pool!r} is not one of the configured pools ({', '.join(cfg.pools)}); "
+                          "configure it, or name its engine with --engine")
     from engines.engine_process import EngineDied
     from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
     from engines.worker import run_worker

@@ -201,3 +201,32 @@ async def test_a_long_prompt_being_tokenized_is_no_stalled_engine(redis_url: str
     finally:
         await cancel_and_wait([task])
         await client.aclose()
+
+
+async def test_a_finished_request_whose_records_wait_for_redis_is_not_run_again(own_redis: LocalRedis) -> None:
+    """Redis out of memory refuses the records (XADD) but not claims (XAUTOCLAIM): a request
+    this worker finished, whose ack waits with its records, must not be claimed and run again."""
+    client = aioredis.Redis.from_url(own_redis.url)
+    settings = WorkerSettings(pool="p", heartbeat_interval_s=0.1, heartbeat_ttl_s=0.5, claim_idle_s=0.6)
+    worker = Worker(create(decode_base_s=0.02), client, settings)
+    task = asyncio.create_task(worker.run())
+    req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=10),
+                          deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt="hello")
+    try:
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        while not worker.inflight:
+            await asyncio.sleep(0.005)
+        await client.config_set("maxmemory", 1)
+        try:
+            await asyncio.sleep(2.0)  # finished meanwhile; its records and ack wait for Redis
+        finally:
+            await client.config_set("maxmemory", 0)
+        await asyncio.sleep(1.0)
+        records = [protocol.decode_result(payload) for _, f in await client.xrange(REPLIES)
+                   for _, payload in protocol.decode_batch(f[protocol.BATCH_FIELD])]
+        finals = [r for r in records if isinstance(r, Final)]
+        ends = [(type(r).__name__, r.attempt) for r in records if not isinstance(r, Delta)]
+        assert len(finals) == 1, ends
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from slogate.cli import build_parser
+from slogate.cli import build_parser, main
 from slogate.config import load_config
 from slogate.up import shared_core_threads, worker_threads
 
@@ -33,3 +33,13 @@ def test_without_either_the_cores_are_shared_among_the_configs_workers(monkeypat
 def test_the_worker_command_takes_threads() -> None:
     args = build_parser().parse_args(["worker", "--pool", "interactive", "--threads", "2"])
     assert args.threads == 2
+
+
+def test_a_worker_for_a_pool_the_config_lacks_names_it_instead_of_serving_made_up_text(capsys, monkeypatch) -> None:
+    """Without --engine, a pool of the config gets its engine; a misspelt one got the sim
+    engine, whose text no model wrote."""
+    monkeypatch.setenv("SLOGATE_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing to reach if it did start
+    with pytest.raises(SystemExit):
+        main(["worker", "--pool", "interactve"])
+    err = capsys.readouterr().err
+    assert "'interactve' is not one of the configured pools (interactive, batch)" in err

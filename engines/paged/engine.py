@@ -190,6 +190,9 @@ class PagedEngine:
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(self.clock()))
         outputs.extend(self._start_compiled())
+        if outputs and send is not None:  # out before the pass, which may fail: a 400 stays a 400
+            send(outputs)
+            outputs = []
         sched = self.scheduler.schedule()
         if not sched.seqs:
             if self._compiling and not outputs:  # nothing to run until a schema compiles: no spinning

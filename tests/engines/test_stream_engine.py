@@ -12,6 +12,7 @@ import torch
 
 from engines.base import EngineRequest, StepOutput
 from engines.runtime.loader import LoadedModel, load_model
+from engines.stepping import Failure, Step, step_until_stopped
 from engines.stream import StreamEngine, StreamOptions, create
 from slogate.protocol import SamplingParams
 
@@ -452,4 +453,37 @@ def test_a_newcomer_whose_first_token_shows_text_is_sent_before_its_pass_mates_g
     outputs = by_request(steps)
     assert tokens_of(outputs["bytes"]) == script[:4]
     assert tokens_of(outputs["words"]) == script[k:k + 2] + [loaded.tokenizer.eos_token_id] * 2
+    assert_pool_clean(engine)
+
+
+def test_a_request_the_engine_refused_keeps_its_400_when_the_next_step_fails(loaded: LoadedModel) -> None:
+    """A refusal waits in the engine for the next step; that step's pass failing must not turn
+    the client's mistake into an engine failure (500). The request the pass held does fail."""
+    engine = StreamEngine(loaded, StreamOptions(num_blocks=64, warmup=False))
+    run, calls = engine.runner.run, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory (simulated)")
+        return run(*args, **kwargs)
+
+    engine.runner.run = flaky
+    deadline = time.time() + 60
+    commands = [("add", EngineRequest("bad", SamplingParams(max_tokens=4, stop_token_ids=[10**6]), deadline,
+                                      prompt="hi")),
+                ("add", EngineRequest("good", SamplingParams(max_tokens=4), deadline, prompt="hello")), ("stop",)]
+    outcome: dict[str, object] = {}
+
+    def report(r) -> None:
+        if isinstance(r, Step):
+            for o in r.outputs:
+                if o.error:
+                    outcome.setdefault(o.request_id, o.error_status)
+        elif isinstance(r, Failure):
+            for rid in r.request_ids:
+                outcome.setdefault(rid, "engine failure")
+
+    step_until_stopped(engine, lambda wait: commands.pop(0) if commands else None, report)
+    assert outcome == {"bad": 400, "good": "engine failure"}
     assert_pool_clean(engine)
