@@ -272,7 +272,9 @@ class Worker:
 
     def _fail(self, req: GenerateRequest, entry_id: bytes, attempt: int, err: Error) -> None:
         self.metrics.finished(err.code)
-        self._write(_InFlight(req, entry_id, attempt, time.time()), err)
+        job = _InFlight(req, entry_id, attempt, time.time())
+        self._trace(job, job.received_at, 0, err.code)
+        self._write(job, err)
         self._ack([entry_id])
 
     def _ack(self, entry_ids: list[bytes]) -> None:
@@ -444,6 +446,7 @@ class Worker:
                 code = out.error_code or ("invalid_request_error" if out.error_status < 500 else "engine_error")
                 self._write(job, Error(out.error, code, out.error_status, job.attempt, out.error_param))
                 self.metrics.finished(code)
+                self._trace(job, now, job.tokens, code)
             else:
                 generated += out.completion_tokens - job.tokens
                 job.tokens = out.completion_tokens

@@ -187,9 +187,8 @@ def export(url: str, count: int | None = None) -> Iterator[str]:
     sent = 0
     try:
         while count is None or sent < count:
-            batch = client.xrange(STREAM, min=last, max="+", count=1000)
-            if last != "-":
-                batch = batch[1:]
+            # after the last one read, exclusive: it may be trimmed away meanwhile
+            batch = client.xrange(STREAM, min=last if last == "-" else f"({last}", max="+", count=1000)
             if not batch:
                 return
             for _, fields in batch:

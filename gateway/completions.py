@@ -133,12 +133,17 @@ async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.S
     request["audit"]["cls"] = cls
     async with contextlib.AsyncExitStack() as held:
         with tracing.span("admit", **{"slogate.class": cls}) as span:
-            if state.keys.enabled:
-                await _rate_limit(state, caller, parsed)
-            await schema.check_json_schema(parsed)  # after the rate limit: a compile may take a thread for 0.5 s
-            if parsed.stream:  # before admission, which books the prompt's time for a request it lets go
-                await held.enter_async_context(_stream_slot(state, caller.key_id, deadline))
-            decision = await admit(state, parsed, cls, deadline, caller.key_id)
+            try:
+                if state.keys.enabled:
+                    await _rate_limit(state, caller, parsed)
+                await schema.check_json_schema(parsed)  # after the rate limit: a compile may take a thread for 0.5 s
+                if parsed.stream:  # before admission, which books the prompt's time for a request it lets go
+                    await held.enter_async_context(_stream_slot(state, caller.key_id, deadline))
+                decision = await admit(state, parsed, cls, deadline, caller.key_id)
+            except APIError as err:  # a refusal's trail says why, as an admitted request's does
+                if err.headers and "x-slogate-reason" in err.headers:
+                    request["audit"]["decision"] = err.headers["x-slogate-reason"]
+                raise
             if span is not None:
                 span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
         request["audit"].update(pool=decision.pool, decision=decision.reason)
@@ -225,7 +230,7 @@ async def _stream_slot(state: GatewayState, key_id: str, deadline: float) -> Asy
                        "redis_unavailable") from None
     if not taken:
         raise APIError(429, f"key '{key_id}' already has {limit} streams open; close one first",
-                       None, "too_many_streams", retry_headers(1.0))
+                       None, "too_many_streams", {"x-slogate-reason": "stream-limit", **retry_headers(1.0)})
     try:
         yield
     finally:

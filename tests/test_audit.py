@@ -8,11 +8,17 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
 from redis.exceptions import RedisError
 
-from gateway.audit import KEEP_UNWRITTEN, RETRY_S, STREAM, AuditLog
+from gateway.app import make_app
+from gateway.audit import KEEP_UNWRITTEN, RETRY_S, STREAM, AuditLog, export
 from gateway.batcher import CommandBatcher
+from gateway.state import STATE
+from slogate import keys, protocol
+from slogate.config import Config
 from slogate.local_redis import LocalRedis
+from slogate.protocol import Heartbeat, ModelInfo
 
 
 def written(lines: list) -> list[str]:
@@ -148,3 +154,49 @@ async def test_a_flush_whose_reply_was_lost_is_not_written_twice(redis_url: str,
     assert not audit._unwritten and not audit._failing
     await client.delete(STREAM, audit._flushes_key)
     await client.aclose()
+
+
+async def test_export_loses_no_record_when_the_trail_is_trimmed_under_it(redis_url: str) -> None:
+    """The trail is trimmed at its oldest end, where an export starts: when the last entry of
+    a page is trimmed before the next page is read, the next page's first record must still
+    be exported."""
+    client = aioredis.Redis.from_url(redis_url)
+    audit = AuditLog(CommandBatcher(client), keep=10_000, flush_s=10, max_records=10_000)
+    for i in range(1500):
+        audit.write(f"r{i}", time.time(), 200, {"key": "k", "model": "m"})
+    await audit.flush()
+
+    def run() -> list[str]:
+        import redis as sync_redis
+        trim = sync_redis.Redis.from_url(redis_url)
+        out = []
+        for n, line in enumerate(export(redis_url)):
+            out.append(json.loads(line)["request_id"])
+            if n == 999:  # the first page is out; the gateway's MAXLEN trims the oldest 1000 meanwhile
+                trim.xtrim(STREAM, maxlen=500, approximate=False)
+        trim.close()
+        return out
+
+    got = await asyncio.to_thread(run)
+    assert got[1000:] == [f"r{i}" for i in range(1000, 1500)]
+    await client.aclose()
+
+
+async def test_an_admission_refusal_is_audited_with_what_admission_decided(redis_url: str) -> None:
+    r = aioredis.Redis.from_url(redis_url)
+    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
+                   waiting=0, capacity=8, prefill_s_per_token=0.01, decode_step_s=0.005)
+    name = keys.heartbeat("interactive", "w1")
+    await r.set(name, protocol.encode(hb), px=60_000)
+    await r.sadd(keys.WORKERS, name)
+    async with TestClient(TestServer(make_app(Config(redis_url=redis_url)))) as client:
+        resp = await client.post("/v1/completions", headers={"x-slogate-class": "interactive",
+                                                             "x-request-id": "shed-me"},
+                                 json={"model": "m", "prompt": "x" * 8000, "max_tokens": 4})
+        assert resp.status == 429
+        reason = resp.headers["x-slogate-reason"]
+        await client.server.app[STATE].audit.flush()
+    [record] = [json.loads(f[b"e"]) for _, f in await r.xrange(STREAM)]
+    assert record["request_id"] == "shed-me" and record["status"] == 429
+    assert record.get("decision") == reason, record
+    await r.aclose()

@@ -1,10 +1,22 @@
-"""Tracing is set from the standard OTEL_* variables, and refuses what it cannot do by name."""
+"""Tracing is set from the standard OTEL_* variables, and refuses what it cannot do by name; a
+worker traces every request it ends, however it ends."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
 
-from slogate import tracing
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from engines.sim import create
+from engines.worker import Worker, WorkerSettings
+from slogate import keys, protocol, tracing
+from slogate.protocol import GenerateRequest, SamplingParams
+from slogate.tasks import cancel_and_wait
 
 
 @pytest.mark.parametrize("env,named", [
@@ -27,3 +39,35 @@ def test_otlp_over_http_is_accepted() -> None:
         assert tracing.enabled()
     finally:
         tracing.setup("test", {})
+
+
+async def test_a_request_that_ends_without_running_is_traced_too(redis_url: str, monkeypatch) -> None:
+    """One whose deadline passed in the queue, and one the engine refused: their traces show
+    where their time went (a queue wait), as a finished request's do."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0), client, WorkerSettings(pool="p"))
+    task = asyncio.create_task(worker.run())
+    parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
+    now = time.time()
+    late = GenerateRequest(id="late", model="m", pool="p", cls="batch", sampling=SamplingParams(max_tokens=3),
+                           deadline=now - 1, enqueued_at=now - 5, reply=keys.replies("g"), prompt="hi", trace=parent)
+    refused = GenerateRequest(id="refused", model="m", pool="p", cls="batch",
+                              sampling=SamplingParams(max_tokens=3, json_schema="{}"), deadline=now + 60,
+                              enqueued_at=now, reply=keys.replies("g"), prompt="hi", trace=parent)
+    try:
+        for req in (late, refused):
+            await client.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.FIELD: protocol.encode(req)})
+        for _ in range(200):
+            spans = exporter.get_finished_spans()
+            outcomes = {s.attributes["slogate.outcome"] for s in spans if s.name == "queue_wait"}
+            if len(outcomes) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert outcomes == {"deadline_exceeded", "invalid_request_error"}
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
