@@ -87,8 +87,9 @@ class Worker:
         self._preparing = 0
         self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self._last_expiry_check = 0.0
-        self._ttl_renewed: dict[str, float] = {}
         self._checks: set[asyncio.Task[None]] = set()
+        self._orphans_waiting = False
+        """A departed worker left requests when there was no room for them."""
         self._stopping = asyncio.Event()
         self._replies: dict[str, list[tuple[bytes, bytes]]] = {}
         """Records queued for the next send, per reply stream: (request id, sealed message)."""
@@ -167,6 +168,14 @@ class Worker:
             room = self._room()
             if room == 0:
                 await asyncio.sleep(0.002)
+                continue
+            if self._orphans_waiting:  # older, and maybe half streamed to their clients: first
+                self._orphans_waiting = False
+                try:
+                    await self._claim_departed(int(self.s.heartbeat_ttl_s * 1000))
+                except (RedisError, OSError) as exc:
+                    if not _queue_gone(exc):
+                        log.warning("takeover pass failed: %s", exc)
                 continue
             try:
                 resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
@@ -393,22 +402,20 @@ class Worker:
         """One entry per reply stream holding everything queued for it, then the acks, in one
         transaction; False when Redis did not take it, and all of it is queued again, ahead of
         what came meanwhile (one that Redis applied but whose reply was lost is sent twice: the
-        gateway drops repeated text by its offset, and acks repeat harmlessly). The streams' TTLs are kept ahead of
-        the writes (renewed a few times per TTL, not per write), so a stream whose gateway died
-        and that nobody writes to any more goes away ``result_ttl_s`` later."""
+        gateway drops repeated text by its offset, and acks repeat harmlessly). Each write renews its
+        stream's TTL, so a stream whose gateway died and that nobody writes to any more goes away
+        ``result_ttl_s`` later: renewed only now and then, a stream its gateway deleted on the
+        way out came back from the next write with no TTL at all, for ever."""
         if not self._replies and not self._acks:
             return True
         replies, self._replies = self._replies, {}
         acks, self._acks = self._acks, []
-        now = time.monotonic()
         # One transaction: a command Redis refuses (out of memory) aborts it all, so acks never
         # land without the records before them, nor do the records that did get in repeat.
         async with self.redis.pipeline(transaction=True) as p:
             for key, records in replies.items():
                 p.xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch(records)})
-                if now - self._ttl_renewed.get(key, -1e9) > self.s.result_ttl_s / 4:
-                    self._ttl_renewed[key] = now
-                    p.pexpire(key, int(self.s.result_ttl_s * 1000))
+                p.pexpire(key, int(self.s.result_ttl_s * 1000))
             if acks:
                 p.xack(self.queue, keys.GROUP, *acks)
                 p.xdel(self.queue, *acks)
@@ -426,8 +433,6 @@ class Worker:
                               sum(len(r) for r in replies.values()), len(acks), exc)
         for key, records in self._replies.items():
             replies.setdefault(key, []).extend(records)
-        for key in replies:
-            self._ttl_renewed.pop(key, None)
         self._replies, self._acks = replies, acks + self._acks
         return False
 
@@ -597,8 +602,28 @@ class Worker:
                     log.warning("claim pass failed: %s", exc)
 
     async def _refresh_own(self) -> None:
-        """Reset the idle time of what this worker holds, so nobody claims a live request."""
-        ids = [job.entry_id for job in self.inflight.values()] + list(self._unacked)
+        """Reset the idle time of what this worker holds, so nobody claims a live request.
+
+        What another worker has taken over meanwhile (this one's heartbeat lapsed: a partition
+        from Redis, a stalled loop) is dropped here instead: claimed back, it ran on both, and
+        a stream that cannot resume failed its client though no worker had."""
+        held = {job.entry_id: rid for rid, job in self.inflight.items()} | dict.fromkeys(self._unacked)
+        if not held:
+            return
+        async with self.redis.pipeline(transaction=False) as p:
+            for entry_id in held:
+                p.xpending_range(self.queue, keys.GROUP, entry_id, entry_id, 1)
+            pending = await p.execute()
+        taken = [entry_id for entry_id, info in zip(held, pending)
+                 if info and _text(info[0]["consumer"]) != self.s.worker_id]
+        if taken:
+            log.warning("%d request(s) held here were taken over by other workers while this one's heartbeat "
+                        "lapsed; dropping them here", len(taken))
+            for entry_id in taken:
+                if held[entry_id] is not None and self._abort(held[entry_id]) is not None:
+                    self.metrics.finished("taken_over")
+            self._unacked.difference_update(taken)
+        ids = [entry_id for entry_id in held if entry_id not in taken]
         if ids:
             await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0, ids, justid=True)
 
@@ -641,7 +666,8 @@ class Worker:
                     await self.redis.xgroup_delconsumer(self.queue, keys.GROUP, name)
                 continue
             room = self._room()
-            if not room:
+            if not room:  # the intake takes them as room frees, before anything new
+                self._orphans_waiting = True
                 return
             held = await self.redis.xpending_range(self.queue, keys.GROUP, "-", "+", room, consumername=name)
             if held:

@@ -322,8 +322,8 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
                 try:
                     text = relay.accept(rec)
                 except SplicedOutput as exc:
-                    job.outcome, job.status = "worker_failed", 502
-                    raise APIError(502, str(exc), None, "worker_failed") from None
+                    job.outcome, job.status = exc.code, 502
+                    raise APIError(502, str(exc), None, exc.code) from None
                 if isinstance(rec, Delta):
                     job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
                     if text is None:
@@ -444,10 +444,11 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     return resp
 
 
-NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "no_live_worker", "shutting_down"})
+NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "result_lost", "no_live_worker", "shutting_down"})
 """Failures that say nothing of how the pool serves, so its breaker does not count them: a pool
 left without workers (its breaker would then refuse the batch that may queue for a restarted
-worker, and keep probing for minutes once one is back), Redis, this gateway's drain."""
+worker, and keep probing for minutes once one is back), Redis (down, or records lost on their
+way), this gateway's drain."""
 
 
 def _observe(job: _Job) -> None:

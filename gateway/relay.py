@@ -15,7 +15,12 @@ from slogate.protocol import Delta, Error, Final, Result, TokenLogprob
 
 
 class SplicedOutput(Exception):
-    """A retry would contradict text the client already has, or text is missing before a delta."""
+    """A retry would contradict text the client already has (``worker_failed``), or text is
+    missing before a delta (``result_lost``: on its way through Redis, no worker's doing)."""
+
+    def __init__(self, message: str, code: str = "worker_failed") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -44,7 +49,7 @@ class Relay:
         if rec.offset > len(self.text) or rec.token_offset > self.tokens:
             raise SplicedOutput(f"part of the answer was lost on its way from the worker (text from character "
                                 f"{rec.offset} arrived after {len(self.text)}, log-probabilities from token "
-                                f"{rec.token_offset} after {self.tokens})")
+                                f"{rec.token_offset} after {self.tokens})", "result_lost")
         new = rec.text[len(self.text) - rec.offset:]
         self.fresh = rec.logprobs[self.tokens - rec.token_offset:]
         if not new and not self.fresh:

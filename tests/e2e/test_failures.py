@@ -156,7 +156,7 @@ async def test_a_record_lost_between_worker_and_gateway_ends_the_stream_with_an_
     client.close()
     assert first.startswith(b"data: ")
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
-    assert len(errors) == 1 and errors[0]["error"]["code"] == "worker_failed"
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "result_lost"
     assert "lost on its way from the worker" in errors[0]["error"]["message"]
     assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
 
