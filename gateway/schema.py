@@ -389,7 +389,7 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        out.append({"role": m.role, "content": content, **({"name": m.name} if m.name is not None else {})})
     return out
 
 

@@ -49,6 +49,8 @@ def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None,
     if messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {model_id} has no chat template; send a prompt")
+        if "developer" not in str(tokenizer.chat_template):  # OpenAI's newer name for the system message
+            messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         return _chat_ids(tokenizer, model_id, messages)
     if prompt is None:
         raise ValueError("a request needs a prompt or messages")

@@ -1,8 +1,8 @@
 """Pick the next token for every row of a batch, each row under its own sampling params.
 
 A batch mixes greedy and sampled requests. The all-greedy batch (the common interactive case)
-costs one argmax. Each seeded request owns a ``torch.Generator`` and draws from it alone, so
-its tokens do not depend on what else shares the batch.
+costs one argmax. Each seeded request owns a ``torch.Generator`` and draws from it alone, and
+filters its candidates on its own, so its tokens do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -165,18 +165,44 @@ def _nucleus(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple
     """The probabilities top-k then top-p keep (zero where they drop a token; top-p applies to
     the top-k distribution renormalized), over the likeliest tokens, and their ids.
 
-    The candidates widen until every row's filter ends inside them: its top-k fits, or, with
-    no top-k, the candidates hold at least its top-p of the mass. So the result is exactly what
-    filtering the fully sorted vocabulary gives."""
-    vocab = probs.shape[1]
+    Each row's candidates widen until its filter ends inside them: its top-k fits, or, with no
+    top-k, the candidates hold at least its top-p of the mass. So the result is exactly what
+    filtering the fully sorted vocabulary gives. The width is the row's own, never its batch's:
+    tied probabilities (common in bf16) come out of ``topk`` in an order that depends on the
+    width, and a seeded request must draw the same token whatever shares its batch. Rows of a
+    narrower width are padded with tokens of no mass."""
+    vocab, device = probs.shape[1], probs.device
+    rows = list(range(probs.shape[0]))
+    groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     for width in (*(w for w in _CANDIDATE_WIDTHS if w < vocab), vocab):
-        values, ids = probs.topk(width, dim=-1)
+        values, ids = probs[rows].topk(width, dim=-1)
         masses = values.sum(dim=-1).tolist()
-        if width == vocab or all(k <= width or (k == vocab and mass >= p)
-                                 for k, p, mass in zip(top_k, top_p, masses)):
+        fits = [width == vocab or top_k[row] <= width or (top_k[row] == vocab and mass >= top_p[row])
+                for row, mass in zip(rows, masses)]
+        done = [row for row, fit in zip(rows, fits) if fit]
+        if done:
+            at = [i for i, fit in enumerate(fits) if fit]
+            kept = _filter(values[at], [top_k[r] for r in done], [top_p[r] for r in done], vocab)
+            groups.append((done, kept, ids[at]))
+        rows = [row for row, fit in zip(rows, fits) if not fit]
+        if not rows:
             break
-    device = probs.device
-    ranks = torch.arange(width, device=device).unsqueeze(0)
+    if len(groups) == 1:  # every row at one width, in order
+        return groups[0][1], groups[0][2]
+    widest = max(kept.shape[1] for _, kept, _ in groups)
+    values = torch.zeros(probs.shape[0], widest, dtype=probs.dtype, device=device)
+    ids = torch.zeros(probs.shape[0], widest, dtype=torch.long, device=device)
+    for done, kept, group_ids in groups:
+        at = torch.tensor(done, device=device)
+        values[at, :kept.shape[1]] = kept
+        ids[at, :kept.shape[1]] = group_ids
+    return values, ids
+
+
+def _filter(values: torch.Tensor, top_k: list[int], top_p: list[float], vocab: int) -> torch.Tensor:
+    """Top-k then top-p over candidates sorted likeliest first."""
+    device = values.device
+    ranks = torch.arange(values.shape[1], device=device).unsqueeze(0)
     k = torch.tensor(top_k, device=device).unsqueeze(1)
     values = values.masked_fill(ranks >= k, 0.0)
     # a row without top-k keeps the whole vocabulary's mass (1), not just the candidates'
@@ -184,7 +210,7 @@ def _nucleus(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple
     before = values.cumsum(dim=-1) - values
     drop = before >= torch.tensor(top_p, device=device).unsqueeze(1)
     drop[:, 0] = False
-    return values.masked_fill(drop, 0.0), ids
+    return values.masked_fill(drop, 0.0)
 
 
 def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:

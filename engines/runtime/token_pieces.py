@@ -4,8 +4,9 @@ Decoding one token alone gives its text, but a byte-level token inside a charact
 emoji) decodes to U+FFFD, and the client cannot put the character back together from that.
 OpenAI's answer is each token's bytes. Byte-level BPE (GPT-2, Llama 3, Qwen) spells a token's
 bytes as printable characters, one for each, and SentencePiece with byte fallback (Llama 2,
-Mistral) has a token ``<0xHH>`` for each byte: both are mapped back to the bytes exactly. For
-other tokenizers the bytes are the decoded text's. A special token keeps its name as its text
+Mistral) has a token ``<0xHH>`` for each byte: both are mapped back to the bytes exactly.
+SentencePiece's other tokens are their names with its space mark made a space. For other
+tokenizers the bytes are the decoded text's. A special token keeps its name as its text
 but has no bytes: the completion's text leaves it out, and the bytes must add up to that text.
 """
 
@@ -38,6 +39,8 @@ class TokenPieces:
         kind = repr(decoder)
         self._byte_level = _byte_level_table() if "ByteLevel" in kind else None
         self._byte_fallback = "ByteFallback" in kind
+        self._metaspace = self._byte_fallback or "Metaspace" in kind
+        """SentencePiece spells a space "\u2581"; decoded alone, a token loses its leading one."""
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._special = {i for i, t in added.items() if t.special} | set(getattr(tokenizer, "all_special_ids", ()))
         """What decoding the text leaves out: the named special tokens and those only flagged
@@ -66,5 +69,5 @@ class TokenPieces:
         if self._byte_fallback and (m := _BYTE_TOKEN.fullmatch(name)):
             raw = bytes([int(m.group(1), 16)])
             return raw.decode("utf-8", "replace"), raw
-        text = name.replace("\u2581", " ") if self._byte_fallback else self._tokenizer.decode([token_id])
+        text = name.replace("\u2581", " ") if self._metaspace else self._tokenizer.decode([token_id])
         return text, text.encode()

@@ -4,9 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
-from engines.runtime.loader import load_model
+from engines.runtime.loader import encode_prompt, load_model
 from engines.runtime.tiny_model import build_tiny_model
+from gateway.schema import parse
 
 
 def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path):
@@ -110,3 +112,44 @@ def test_content_with_a_special_token_is_refused_when_the_template_repeats_it(ti
 def test_a_missing_model_directory_is_named_not_taken_for_a_hub_id():
     with pytest.raises(ValueError, match="model directory '/nonexistent/model' does not exist"):
         load_model("/nonexistent/model")
+
+
+# Qwen2.5-Instruct's chat template (its branch without tools), verbatim in substance
+QWEN25 = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_developer_message_reaches_the_model(tiny_model_dir: Path) -> None:
+    """OpenAI's developer message is the system message of newer models; the gateway accepts
+    it, so it must not vanish from the prompt of a template that knows only 'system'."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = QWEN25
+    body = (b'{"model": "m", "messages": [{"role": "developer", "content": "Answer only in French."},'
+            b' {"role": "user", "content": "hi"}]}')
+    parsed = parse("chat", body, default_max_tokens=16)
+    prompt = tok.decode(encode_prompt(tok, "m", None, parsed.messages))
+    assert "Answer only in French." in prompt, prompt
+    tok.chat_template = QWEN25.replace("message.role == 'user'", "message.role in ('user', 'developer')")
+    prompt = tok.decode(encode_prompt(tok, "m", None, parsed.messages))
+    assert "<|im_start|>developer\nAnswer only in French." in prompt, prompt  # a template that knows it
+
+
+def test_a_messages_name_reaches_the_template(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = "{% for m in messages %}{{ m.get('name', '?') }}: {{ m.content }}\n{% endfor %}"
+    body = (b'{"model": "m", "messages": [{"role": "user", "name": "alice", "content": "hi"},'
+            b' {"role": "user", "content": "yo"}]}')
+    prompt = tok.decode(encode_prompt(tok, "m", None, parse("chat", body, default_max_tokens=16).messages))
+    assert "alice: hi\n?: yo" in prompt, prompt

@@ -46,6 +46,22 @@ def test_same_seed_same_tokens_whatever_shares_the_batch():
     assert different != alone
 
 
+def test_seeded_top_p_draws_do_not_depend_on_the_batch_when_logits_tie() -> None:
+    """bf16 logits (the GPU default) tie often; a seeded row's tokens must still not depend
+    on which other rows share the step."""
+    vocab = 3000
+    row = torch.full((1, vocab), -5.0)
+    row[0, :100] = 5.0  # 100 tokens tied at the top, as bf16 logits often are
+    flat = torch.linspace(1.0, 0.0, vocab).unsqueeze(0)  # its 0.99 nucleus needs the whole vocabulary
+    mine = SamplingParams(temperature=1.0, top_p=0.5, seed=7)
+    other = SamplingParams(temperature=1.0, top_p=0.99, seed=8)
+    alone_gen, crowded_gen, other_gen = (make_generator(p, "cpu") for p in (mine, mine, other))
+    alone = [sample(row, [mine], [alone_gen], [[]])[0] for _ in range(20)]
+    crowded = [sample(torch.cat([row, flat]), [mine, other], [crowded_gen, other_gen], [[], []])[0]
+               for _ in range(20)]
+    assert alone == crowded
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     x = logits(3)
     greedy = x.argmax(dim=-1).tolist()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engines.runtime.token_pieces import TokenPieces
@@ -56,3 +56,18 @@ def test_tokens_only_flagged_special_add_no_bytes_and_other_added_tokens_what_de
     ids = tokenizer("hi", add_special_tokens=False).input_ids + [reserved, plain, accented]
     text = tokenizer.decode(ids, skip_special_tokens=True)
     assert b"".join(pieces(i)[1] for i in ids).decode("utf-8", "replace") == text
+
+
+def test_metaspace_tokens_without_byte_fallback_keep_their_space() -> None:
+    """A SentencePiece (Metaspace) tokenizer without byte fallback: the tokens' bytes must
+    still add up to the text, spaces included."""
+    vocab = [("<unk>", 0.0), ("\u2581risk", -1.0), ("\u2581ok", -1.0), ("\u2581", -2.0),
+             *((c, -3.0) for c in "risko")]
+    backend = Tokenizer(models.Unigram(vocab, unk_id=0))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    ids = tokenizer("risk ok risk", add_special_tokens=False).input_ids
+    pieces = TokenPieces(tokenizer)
+    # the text after the first token, as the detokenizer streams it (with context before it)
+    assert b"".join(pieces(i)[1] for i in ids[1:]) == b" ok risk"
