@@ -216,8 +216,8 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         raise bad_request("'top_p' must be greater than 0", "top_p")
     presence = _ranged(raw.presence_penalty, "presence_penalty", -2.0, 2.0, 0.0)
     frequency = _ranged(raw.frequency_penalty, "frequency_penalty", -2.0, 2.0, 0.0)
-    if raw.top_k is not None and raw.top_k < 0:
-        raise bad_request("'top_k' must be >= 0 (0 disables it)", "top_k")
+    if raw.top_k is not None and raw.top_k < -1:
+        raise bad_request("'top_k' must be positive, or 0 or -1 to disable it", "top_k")
     stops = [raw.stop] if isinstance(raw.stop, str) else list(raw.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop sequences are allowed", "stop")
@@ -246,7 +246,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
                           "stop" if stops else "stop_token_ids", "unsupported_value")
     sampling = SamplingParams(
         max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
-        top_k=raw.top_k or 0, seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
+        top_k=max(raw.top_k or 0, 0), seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
         frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias),
         json_schema=json_schema)

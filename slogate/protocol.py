@@ -33,6 +33,10 @@ class ProtocolError(ValueError):
     """A message that this release cannot read (wrong version or malformed)."""
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples greedily (the argmax)."""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -56,7 +60,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     @property
     def deterministic(self) -> bool:
         """Whether a rerun reproduces the same tokens (what makes a retry invisible)."""
-        return self.temperature == 0.0 or self.seed is not None
+        return self.temperature < GREEDY_BELOW or self.seed is not None
 
 
 class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):

@@ -29,6 +29,7 @@ def test_garbage_is_a_protocol_error() -> None:
 
 def test_determinism_flag() -> None:
     assert SamplingParams(temperature=0).deterministic
+    assert SamplingParams(temperature=1e-6).deterministic  # sampled greedily, as 0 is
     assert SamplingParams(temperature=0.7, seed=3).deterministic
     assert not SamplingParams(temperature=0.7).deterministic
 

@@ -6,6 +6,7 @@ generation, and how long a context may be.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -157,9 +158,15 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """bf16 on GPUs (the speed), fp32 on CPUs (where bf16 matmuls are slow or emulated)."""
+    """bf16 on GPUs that compute in it (Ampere on), fp16 on older ones (a T4, a V100: bf16
+    there is emulated, several times slower), fp32 on CPUs (where bf16 matmuls are slow or
+    emulated)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        with torch.cuda.device(device.index) if device.index is not None else contextlib.nullcontext():
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return torch.bfloat16 if native else torch.float16
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

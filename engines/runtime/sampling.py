@@ -11,9 +11,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from slogate.protocol import SamplingParams
+from slogate.protocol import GREEDY_BELOW, SamplingParams
 
-_GREEDY_BELOW = 1e-5
 LOGPROB_FLOOR = -9999.0
 
 
@@ -40,7 +39,7 @@ def spread_seed(seed: int) -> int:
 
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _GREEDY_BELOW
+    return params.temperature < GREEDY_BELOW
 
 
 def banned_tokens(

@@ -108,6 +108,7 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
      "messages[0].tool_calls", ["not supported"]),
     ({"model": MODEL, "messages": MSGS, "seed": 2**70}, "seed", ["9223372036854775807"]),
     ({"model": MODEL, "messages": MSGS, "top_k": 2**64}, "top_k", ["9223372036854775807"]),
+    ({"model": MODEL, "messages": MSGS, "top_k": -2}, "top_k", ["0 or -1 to disable it"]),
     ({"model": MODEL, "messages": MSGS, "stop_token_ids": [1, -(2**64)]}, "stop_token_ids[1]", [">="]),
     ({"model": MODEL, "messages": MSGS, "stop_token_ids": [-1]}, "stop_token_ids", ["from 0"]),
     ({"model": MODEL, "messages": MSGS, "stop_token_ids": list(range(65))}, "stop_token_ids", ["at most 64"]),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engines.runtime.loader import encode_prompt, load_model
+from engines.runtime.loader import encode_prompt, load_model, resolve_dtype
 from engines.runtime.tiny_model import build_tiny_model
 from gateway.schema import parse
 
@@ -153,3 +153,16 @@ def test_a_messages_name_reaches_the_template(tiny_model_dir: Path) -> None:
             b' {"role": "user", "content": "yo"}]}')
     prompt = tok.decode(encode_prompt(tok, "m", None, parse("chat", body, default_max_tokens=16).messages))
     assert "alice: hi\n?: yo" in prompt, prompt
+
+
+def test_top_k_minus_one_disables_it_as_in_vllm() -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_k": -1}'
+    assert parse("chat", body, default_max_tokens=16).sampling.top_k == 0
+
+
+def test_auto_dtype_on_a_gpu_without_native_bf16_is_fp16(monkeypatch) -> None:
+    """A T4 or a V100 only emulates bf16, several times slower than fp16."""
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float16)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert resolve_dtype("auto", torch.device("cuda")) == dtype
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
