@@ -17,7 +17,7 @@ from gateway import openai_shapes as shapes
 from gateway import schema
 from gateway.admit import admit, retry_headers
 from gateway.auth import Caller
-from gateway.errors import APIError, bad_request
+from gateway.errors import APIError, bad_request, redis_unavailable
 from gateway.relay import Relay, SplicedOutput
 from gateway.results import QUIET, Subscription
 from gateway.state import STATE, GatewayState
@@ -178,8 +178,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
                                          protocol.FIELD, sealed)
             except (RedisError, OSError) as exc:
                 job.outcome, job.status = "redis_unavailable", 503
-                raise APIError(503, f"cannot queue the request: Redis is unavailable ({exc})", None,
-                               "redis_unavailable") from None
+                raise redis_unavailable("cannot queue the request", exc) from None
         if parsed.stream:
             return await _stream(request, job)
         return await _collect(job)
@@ -226,8 +225,7 @@ async def _stream_slot(state: GatewayState, key_id: str, deadline: float) -> Asy
         raise
     except (RedisError, OSError) as exc:
         state.batcher.fire("ZREM", slots, slot)  # it may have run, its reply lost
-        raise APIError(503, f"cannot count open streams: Redis is unavailable ({exc})", None,
-                       "redis_unavailable") from None
+        raise redis_unavailable("cannot count open streams", exc) from None
     if not taken:
         raise APIError(429, f"key '{key_id}' already has {limit} streams open; close one first",
                        None, "too_many_streams", {"x-slogate-reason": "stream-limit", **retry_headers(1.0)})
@@ -295,8 +293,7 @@ async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.Parsed
     try:
         verdict = await state.limiter.check(caller.key_id, rpm, tpm, tokens)
     except (RedisError, OSError) as exc:
-        raise APIError(503, f"cannot check rate limits: Redis is unavailable ({exc})", None,
-                       "redis_unavailable") from None
+        raise redis_unavailable("cannot check rate limits", exc) from None
     if verdict.allowed:
         return
     what = {"rpm": f"{rpm} requests per minute", "tpm": f"{tpm} tokens per minute",

@@ -6,6 +6,7 @@ code path can answer a client's mistake with a 500 or a bare HTML page.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import msgspec
@@ -15,6 +16,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           502: "api_error", 503: "service_unavailable", 504: "timeout_error"}
+log = logging.getLogger("slogate.gateway")
 
 
 @dataclass
@@ -40,3 +42,10 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
+
+
+def redis_unavailable(what: str, exc: BaseException) -> APIError:
+    """A 503 that says Redis failed, not where it is: redis-py's text names its host and port
+    or socket path, which is the operator's to see (logged here), not a client's."""
+    log.warning("%s: %s", what, exc)
+    return APIError(503, f"{what}: Redis is unavailable", None, "redis_unavailable")

@@ -96,10 +96,13 @@ class ResultMux:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
-                failing_since = failing_since or now
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("reading results from Redis failed (requests in flight fail if it lasts %g s): %s",
+                                self.redis_grace_s, exc)
                 self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
                 if now - failing_since >= self.redis_grace_s:
-                    self.fail_all(f"lost the connection to Redis: {exc}", "redis_unavailable")
+                    self.fail_all("lost the connection to Redis", "redis_unavailable")
                 await asyncio.sleep(0.2)
                 continue
             if failing_since is not None:

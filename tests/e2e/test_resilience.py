@@ -208,3 +208,25 @@ async def test_a_request_ended_during_an_outage_is_stopped_once_redis_is_back(tm
         stack.stop()
         client.close()
         own_redis.stop()
+
+
+async def test_a_redis_outage_does_not_show_clients_where_redis_is(own_redis: LocalRedis) -> None:
+    """redis-py's errors name the host and port or socket path: the operator's to know."""
+    stack = stack_on(own_redis, decode_base_s=0.02)
+    where = own_redis.url.split("://", 1)[1].split("?")[0]
+
+    async def ask(body: dict) -> tuple[int, str]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            async with s.post(stack.url + "/v1/chat/completions", json=body) as r:
+                return r.status, await r.text()
+
+    try:
+        in_flight = asyncio.create_task(ask({**SCORE, "max_tokens": 100}))
+        await asyncio.sleep(0.3)
+        own_redis.stop()
+        answers = [await in_flight] + [await ask(SCORE) for _ in range(3)]
+    finally:
+        stack.stop()
+    for status, text in answers:
+        assert status == 503 and "Redis" in text, text
+        assert where not in text and "connecting to" not in text, text
