@@ -373,7 +373,7 @@ def test_a_request_that_arrives_during_a_step_cuts_in_and_its_first_token_is_sen
     steps.append(engine.step(arrivals, send))
     assert {o.request_id for o in steps[-1]} == {"s0", "s1"}
     if cut_ins:
-        assert polls == [0], "the tiny model has two layers: one pause between them"
+        assert polls == [0, 1], "the tiny model has two layers: one pause between them, which looks again after a pass"
         assert [[(o.request_id, len(o.token_ids)) for o in outs] for outs in sent] == [[("late", 1)]]
         steps.insert(1, sent[0])
     else:
@@ -388,6 +388,32 @@ def test_a_request_that_arrives_during_a_step_cuts_in_and_its_first_token_is_sen
         assert tokens_of(outputs[f"s{i}"]) == reference(loaded, loaded.encode(PROMPTS[i], None), 8, min_new_tokens=8)
     assert_pool_clean(engine)
 
+
+@pytest.mark.parametrize("cut_ins", [2, 1])
+def test_a_request_that_arrives_during_a_cut_in_goes_next_if_the_step_allows(make, loaded: LoadedModel, cut_ins):
+    """It does not wait for the rest of the step, let alone the next one: its own pass runs
+    once the first newcomer's ends, as long as the step's passes allow."""
+    engine = make(cut_ins_per_step=cut_ins)
+    for i in range(2):
+        engine.add_request(request(f"s{i}", PROMPTS[i], max_tokens=8, ignore_eos=True))
+    steps = [engine.step()]
+    late = iter(["late", "later"])
+    sent: list[list[StepOutput]] = []
+
+    def arrivals() -> bool:
+        rid = next(late, None)
+        if rid is not None:
+            engine.add_request(request(rid, PROMPTS[2 + (rid == "later")], max_tokens=6, ignore_eos=True))
+        return rid is not None
+
+    steps.append(engine.step(arrivals, sent.append))
+    assert [[o.request_id for o in outs] for outs in sent] == [["late"], ["later"]][:cut_ins]
+    steps[1:1] = sent
+    steps += drain(engine)
+    outputs = by_request(steps)
+    for rid, prompt in (("late", PROMPTS[2]), ("later", PROMPTS[3])):
+        assert tokens_of(outputs[rid]) == reference(loaded, loaded.encode(prompt, None), 6, min_new_tokens=6)
+    assert_pool_clean(engine)
 
 def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(make, loaded: LoadedModel):
     """'风' is three byte tokens: the first two show nothing. A newcomer that cuts in, or runs
