@@ -206,6 +206,11 @@ class Worker:
                 log.error("dropping unreadable entry %s on %s: %s", entry_id, self.queue, exc)
                 self.metrics.dropped.inc()
                 drop.append(entry_id)
+                if request_id and (reply := fields.get(protocol.REPLY_FIELD)):
+                    self._queue_record(reply.decode(), request_id, Error(
+                        "a worker could not read this request: the gateway and the workers do not share an "
+                        "encryption key, or run releases that cannot talk to each other (the worker's log says "
+                        "which)", "protocol_mismatch", 502, attempt=1))
                 continue
             attempt = attempts.get(entry_id, 1) if attempts else 1
             if req.id in self.inflight or entry_id in self._unacked:
@@ -500,8 +505,10 @@ class Worker:
 
     def _write(self, job: _InFlight, msg: Delta | Final | Error) -> None:
         """Queue a record for the request's gateway (sent by :meth:`_flush`)."""
-        rid = job.req.id.encode()
-        self._replies.setdefault(job.req.reply, []).append((rid, self.sealer.seal(protocol.encode(msg), rid)))
+        self._queue_record(job.req.reply, job.req.id.encode(), msg)
+
+    def _queue_record(self, reply: str, rid: bytes, msg: Delta | Final | Error) -> None:
+        self._replies.setdefault(reply, []).append((rid, self.sealer.seal(protocol.encode(msg), rid)))
         self._send_wake.set()
 
     # -- cancels, heartbeats, orphans -----------------------------------------------------

@@ -175,7 +175,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
             try:
                 sealed = state.sealer.seal(protocol.encode(gen), request_id.encode())
                 await state.batcher.call("XADD", keys.queue(pool), "*", protocol.ID_FIELD, request_id,
-                                         protocol.FIELD, sealed)
+                                         protocol.REPLY_FIELD, state.mux.key, protocol.FIELD, sealed)
             except (RedisError, OSError) as exc:
                 job.outcome, job.status = "redis_unavailable", 503
                 raise redis_unavailable("cannot queue the request", exc) from None

@@ -69,6 +69,8 @@ class Message(msgspec.Struct):
     content: str | list[ContentPart] | None = None
     name: NAME | None = None
     tool_calls: msgspec.Raw = _raw()
+    function_call: msgspec.Raw = _raw()
+    """The deprecated form of ``tool_calls``."""
 
 
 class StreamOptions(msgspec.Struct):
@@ -397,9 +399,10 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
         raise bad_request("'messages' must hold at least one message", "messages", "missing_required_parameter")
     out = []
     for i, m in enumerate(messages):
-        if _given(m.tool_calls):
-            raise bad_request("tool calling is not supported by this gateway", f"messages[{i}].tool_calls",
-                              "unsupported_value")
+        for field, raw in (("tool_calls", m.tool_calls), ("function_call", m.function_call)):
+            if _given(raw):
+                raise bad_request("tool calling is not supported by this gateway", f"messages[{i}].{field}",
+                                  "unsupported_value")
         if m.content is None and m.role != "assistant":
             raise bad_request(f"a {m.role} message needs 'content'", f"messages[{i}].content",
                               "missing_required_parameter")

@@ -20,6 +20,10 @@ FIELD = b"m"
 ID_FIELD = b"id"
 """Every request entry carries its request id in the clear: it routes the request and is
 what a sealed message is bound to."""
+REPLY_FIELD = b"r"
+"""A request entry's reply stream, in the clear too: a worker that cannot read the message (a
+key it lacks, another release) still answers it there, at once, instead of leaving its client
+to wait for its deadline (an hour for batch)."""
 BATCH_FIELD = b"b"
 """A reply entry holds the records one worker wrote for one gateway at once: msgpack pairs
 (request id in the clear, message), in the order written. One entry per write instead of one

@@ -21,6 +21,19 @@ def test_every_service_has_a_healthcheck_or_cannot_have_one() -> None:
         assert "healthcheck" in svc or name in (runs_once, distroless), name
 
 
+def interpolated(arg: str, env: dict[str, str]) -> str:
+    """``${VAR:-default}`` as compose reads it."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m[1]) or m[2], arg)
+
+
+def test_workers_serve_the_model_the_model_service_builds_unless_told_otherwise() -> None:
+    built = COMPOSE["services"]["model"]["command"][-1]
+    for name in ("worker-interactive", "worker-batch"):
+        command = COMPOSE["services"][name]["command"]
+        for env, model in (({}, built), ({"SLOGATE_MODEL": "Qwen/Qwen2.5-0.5B"}, "Qwen/Qwen2.5-0.5B")):
+            assert build_parser().parse_args([interpolated(a, env) for a in command]).model == model, name
+
+
 @pytest.mark.parametrize("name", [n for n, s in COMPOSE["services"].items() if "build" in s])
 def test_service_command_parses_with_the_cli(name: str) -> None:
     svc = COMPOSE["services"][name]

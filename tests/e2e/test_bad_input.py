@@ -46,6 +46,8 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "audio": {"voice": "x"}}, "audio", ["only text output"]),
     ({"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{}]}]}, "messages[0].tool_calls",
      ["tool calling"]),
+    ({"model": MODEL, "messages": [*MSGS, {"role": "assistant", "content": None, "function_call": {"name": "f"}}]},
+     "messages[1].function_call", ["tool calling"]),
     ({"model": MODEL, "messages": MSGS, "max_tokens": "ten"}, "max_tokens", ["int"]),
     ({"model": MODEL, "messages": MSGS, "max_tokens": True}, "max_tokens", ["bool"]),
     ({"model": MODEL, "messages": MSGS, "max_tokens": 0}, "max_tokens", ["at least 1"]),

@@ -57,3 +57,23 @@ async def test_prompts_and_completions_are_sealed_in_redis(redis_server: LocalRe
     finally:
         stack.stop()
         client.close()
+
+
+async def test_a_request_no_worker_can_open_is_answered_at_once(redis_server: LocalRedis) -> None:
+    """The gateway seals with k1, the workers hold only k2: the request cannot run, and its
+    client hears so at once, not at its deadline (an hour for batch)."""
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ENCRYPTION_KEYS": f"k1:{generate_key()}"})
+    stack.gateway()
+    stack.env_overrides["SLOGATE_ENCRYPTION_KEYS"] = f"k2:{generate_key()}"
+    for pool in ("interactive", "batch"):
+        stack.worker(pool, "sim", "decode_base_s=0.001")
+    stack.wait_models(MODEL, pools=2)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            async with s.post(stack.url + "/v1/chat/completions", json=body, headers={"x-slogate-class": "batch"}) as r:
+                status, answer = r.status, await r.json()
+        assert (status, answer["error"]["code"]) == (502, "protocol_mismatch"), answer
+    finally:
+        stack.stop()
