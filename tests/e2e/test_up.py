@@ -25,12 +25,19 @@ def children(pid: int) -> set[int]:
     return {int(p) for p in out.split()}
 
 
+def cmdline(pid: int) -> bytes:
+    """A process's command line; empty for one that ended since it was listed."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (ProcessLookupError, FileNotFoundError):
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # gone, or reaped as it is read
         return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def wait_gone(pids: set[int], timeout: float, why: str) -> None:
@@ -77,7 +84,7 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
         kids = children(up.pid)
         assert len(kids) >= 4, "redis, gateway and one worker per pool"
-        workers = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in kids]
+        workers = [cmdline(pid).split(b"\0") for pid in kids]
         ports = [cmd[cmd.index(b"--metrics-port") + 1].decode() for cmd in workers if b"worker" in cmd]
         assert len(ports) == 2
         for metrics_port in ports:
@@ -163,8 +170,8 @@ def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_mod
     with slogate_up(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), stderr=subprocess.PIPE,
                     log_level="INFO") as up:
         wait_ready(up, port, 240)
-        workers = [pid for pid in children(up.pid) if b"worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        engine = next(pid for pid in children(workers[0]) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        workers = [pid for pid in children(up.pid) if b"worker" in cmdline(pid)]
+        engine = next(pid for pid in children(workers[0]) if b"spawn_main" in cmdline(pid))
         os.kill(engine, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while alive(workers[0]):
