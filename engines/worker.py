@@ -614,7 +614,7 @@ class Worker:
         What another worker has taken over meanwhile (this one's heartbeat lapsed: a partition
         from Redis, a stalled loop) is dropped here instead: claimed back, it ran on both, and
         a stream that cannot resume failed its client though no worker had."""
-        held = {job.entry_id: rid for rid, job in self.inflight.items()} | dict.fromkeys(self._unacked)
+        held = dict.fromkeys(self._unacked) | {job.entry_id: rid for rid, job in self.inflight.items()}
         if not held:
             return
         async with self.redis.pipeline(transaction=False) as p:
