@@ -263,11 +263,14 @@ def _hide_raw(message: str) -> str:
 
 class MalformedHttpAtInfo(logging.Filter):
     """aiohttp logs a request it cannot parse (a duplicate Content-Type, an oversized header
-    line: the client's mistake, already answered with a 400) as an error with a traceback. The
+    line, a body that is not its Content-Encoding: the client's mistake, already answered with a
+    400) as an error with a traceback. The
     error log is for the gateway's own failures, so these become one line at info."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, web.RequestPayloadError) and isinstance(exc.__cause__, HttpProcessingError):
+            exc = exc.__cause__  # a body that is not its Content-Encoding, met again as aiohttp drains it
         if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
             return True
         record.levelno, record.levelname = logging.INFO, "INFO"

@@ -33,9 +33,10 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 integers), refused here with the field's name rather than failing on the way to Redis."""
 
 
-NAME = Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-"""A message's ``name``, as OpenAI allows it: it reaches the chat template, so it must not be
-able to carry a turn's markers."""
+NAME = Annotated[str, msgspec.Meta(pattern=r"^[^\s<|\\/>]{1,256}\Z")]
+r"""A message's ``name``, as OpenAI allows it (no whitespace, nor any of ``<|\/>``): it reaches
+the chat template, so it must not be able to carry a turn's markers. ``\Z``, not ``$``, which
+also matches before a final newline."""
 MODEL = Annotated[str, msgspec.Meta(max_length=256)]
 """A model id: it goes into the audit trail, whatever model it names."""
 
@@ -56,7 +57,12 @@ def _given(raw: msgspec.Raw) -> bool:
 def _is_none(raw: msgspec.Raw) -> bool:
     """Whether a raw field is null or the string "none"."""
     text = bytes(raw)
-    return text == b"null" or (len(text) < 16 and msgspec.json.decode(text) == "none")
+    if text == b"null":
+        return True
+    try:
+        return len(text) < 16 and msgspec.json.decode(text) == "none"
+    except msgspec.DecodeError:  # 1e999: JSON, but beyond a float
+        return False
 
 
 class ContentPart(msgspec.Struct):

@@ -7,6 +7,7 @@ so an empty file is a working configuration; ``policies/default.yaml`` documents
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -15,7 +16,8 @@ import msgspec
 Class = Literal["interactive", "batch"]
 CLASSES: tuple[Class, ...] = ("interactive", "batch")
 
-PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0, le=sys.float_info.max)]
+"""Positive and finite: an infinite deadline or objective fails later, where it is used."""
 PosInt = Annotated[int, msgspec.Meta(gt=0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]

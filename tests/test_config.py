@@ -128,3 +128,10 @@ def test_an_empty_key_is_not_hashed(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["hash-key"])
     assert "the key is empty" in capsys.readouterr().err
+
+
+def test_a_non_finite_policy_setting_is_refused(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("policies:\n  objectives:\n    batch:\n      deadline_s: .inf\n")
+    with pytest.raises(ConfigError, match="deadline_s"):
+        load_config(path, env={})

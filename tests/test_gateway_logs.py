@@ -7,8 +7,10 @@ import sys
 
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage, InvalidHeader, LineTooLong
+from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import MalformedHttpAtInfo
+from gateway.app import MalformedHttpAtInfo, make_app
+from slogate.config import Config
 
 
 def aiohttp_record(exc: Exception) -> logging.LogRecord:
@@ -61,3 +63,17 @@ def test_the_gateways_own_failures_keep_their_level_and_traceback(caplog: pytest
     record = aiohttp_record(RuntimeError("a bug in a handler"))
     assert MalformedHttpAtInfo().filter(record)
     assert record.levelno == logging.ERROR and record.exc_info is not None
+
+
+async def test_a_body_that_does_not_decompress_logs_no_error(redis_url: str, caplog) -> None:
+    """Answered with a 400, it is met again as aiohttp drains the payload (a RequestPayloadError
+    caused by the encoding's error): the client's mistake, not an error of the gateway's."""
+    logging.getLogger("aiohttp.server").addFilter(MalformedHttpAtInfo())
+    caplog.set_level(logging.INFO)
+    async with TestClient(TestServer(make_app(Config(redis_url=redis_url)))) as client:
+        resp = await client.post("/v1/chat/completions", data=b"this is not compressed",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert resp.status == 400
+        await resp.read()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [(r.name, r.getMessage(), r.exc_info and type(r.exc_info[1]).__name__) for r in errors]

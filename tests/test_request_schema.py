@@ -47,3 +47,26 @@ def test_fields_kept_raw_are_judged_by_what_they_hold(field: str, value: str, re
         assert refused and err.param == field, err
     else:
         assert not refused
+
+
+CHAT = '{"model": "m", "messages": [{"role": "user", "content": "x"%s}]%s}'
+
+
+@pytest.mark.parametrize("field", ["tool_choice", "function_call"])
+def test_an_out_of_range_number_in_a_raw_field_is_a_400_not_a_crash(field: str) -> None:
+    with pytest.raises(APIError) as err:
+        parse("chat", (CHAT % ("", f', "{field}": 1e999')).encode(), 16)
+    assert err.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["agent.1", "José", "dr.who@example"])
+def test_a_name_openai_accepts_is_accepted(name: str) -> None:
+    """OpenAI's pattern for a message's name is no whitespace, nor any of <|\\/>."""
+    parsed = parse("chat", (CHAT % (f', "name": "{name}"', "")).encode(), 16)
+    assert parsed.messages[0]["name"] == name
+
+
+def test_a_name_with_a_trailing_newline_does_not_reach_the_template() -> None:
+    """msgspec's pattern is re.search, and '$' matches before a final newline."""
+    with pytest.raises(APIError):
+        parse("chat", (CHAT % (', "name": "bob\\n"', "")).encode(), 16)

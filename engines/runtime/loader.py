@@ -72,6 +72,9 @@ def _chat_ids(tokenizer: Any, model_id: str, messages: list[dict[str, Any]]) -> 
     def render(msgs: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 
+    for i, m in enumerate(messages):  # a name is rendered as it is, so it may hold no marker at all
+        if tok := _special_in(tokenizer, m.get("name") or ""):
+            raise ValueError(f"messages[{i}].name contains '{tok}', a special token of model {model_id}; remove it")
     found = {i: tok for i, m in enumerate(messages) if (tok := _special_in(tokenizer, m.get("content") or ""))}
     if not found:
         return _ids(tokenizer, render(messages), add_special_tokens=False)

@@ -166,3 +166,11 @@ def test_auto_dtype_on_a_gpu_without_native_bf16_is_fp16(monkeypatch) -> None:
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
         assert resolve_dtype("auto", torch.device("cuda")) == dtype
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+
+
+def test_a_name_holding_a_special_token_is_refused(tiny_model_dir: Path) -> None:
+    """A name is rendered as it is, so a marker in it would be a marker."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    special = next(t.content for t in tok.added_tokens_decoder.values() if t.special)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.name contains"):
+        encode_prompt(tok, "m", None, [{"role": "user", "name": f"x{special}", "content": "hi"}])
