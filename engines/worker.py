@@ -88,8 +88,9 @@ class Worker:
         self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prepare")
         self._last_expiry_check = 0.0
         self._checks: set[asyncio.Task[None]] = set()
-        self._orphans_waiting = False
-        """A departed worker left requests when there was no room for them."""
+        self._orphans_waiting = True
+        """A departed worker may have left requests that had no room here (at start: unknown
+        yet); the intake looks for them before it reads new ones."""
         self._stopping = asyncio.Event()
         self._replies: dict[str, list[tuple[bytes, bytes]]] = {}
         """Records queued for the next send, per reply stream: (request id, sealed message)."""
@@ -206,11 +207,12 @@ class Worker:
                 log.error("dropping unreadable entry %s on %s: %s", entry_id, self.queue, exc)
                 self.metrics.dropped.inc()
                 drop.append(entry_id)
-                if request_id and (reply := fields.get(protocol.REPLY_FIELD)):
-                    self._queue_record(reply.decode(), request_id, Error(
+                reply = fields.get(protocol.REPLY_FIELD, b"").decode("utf-8", "replace")
+                if request_id and reply.startswith(keys.replies("")):  # a gateway's reply stream, nothing else
+                    self._queue_record(reply, request_id, Error(
                         "a worker could not read this request: the gateway and the workers do not share an "
                         "encryption key, or run releases that cannot talk to each other (the worker's log says "
-                        "which)", "protocol_mismatch", 502, attempt=1))
+                        "which)", "protocol_mismatch", 502, attempt=attempts.get(entry_id, 1) if attempts else 1))
                 continue
             attempt = attempts.get(entry_id, 1) if attempts else 1
             if req.id in self.inflight or entry_id in self._unacked:
@@ -415,27 +417,31 @@ class Worker:
             return True
         replies, self._replies = self._replies, {}
         acks, self._acks = self._acks, []
-        # One transaction: a command Redis refuses (out of memory) aborts it all, so acks never
-        # land without the records before them, nor do the records that did get in repeat.
-        async with self.redis.pipeline(transaction=True) as p:
-            for key, records in replies.items():
-                p.xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch(records)})
-                p.pexpire(key, int(self.s.result_ttl_s * 1000))
-            if acks:
-                p.xack(self.queue, keys.GROUP, *acks)
-                p.xdel(self.queue, *acks)
-            try:
-                await p.execute()
-                self._unacked.difference_update(acks)
-                if self._send_failing:
-                    self._send_failing = False
-                    log.info("records are reaching Redis again")
-                return True
-            except (RedisError, OSError) as exc:
-                if not self._send_failing:
-                    self._send_failing = True
-                    log.error("publishing %d records and %d acks failed; retrying until Redis takes them: %s",
-                              sum(len(r) for r in replies.values()), len(acks), exc)
+        try:
+            # One transaction: a command Redis refuses (out of memory) aborts it all, so acks never
+            # land without the records before them, nor do the records that did get in repeat.
+            async with self.redis.pipeline(transaction=True) as p:
+                for key, records in replies.items():
+                    p.xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch(records)})
+                    p.pexpire(key, int(self.s.result_ttl_s * 1000))
+                if acks:
+                    p.xack(self.queue, keys.GROUP, *acks)
+                    p.xdel(self.queue, *acks)
+                try:
+                    await p.execute()
+                    self._unacked.difference_update(acks)
+                    if self._send_failing:
+                        self._send_failing = False
+                        log.info("records are reaching Redis again")
+                    return True
+                except (RedisError, OSError) as exc:
+                    if not self._send_failing:
+                        self._send_failing = True
+                        log.error("publishing %d records and %d acks failed; retrying until Redis takes them: %s",
+                                  sum(len(r) for r in replies.values()), len(acks), exc)
+        except Exception:  # a bug, not Redis: they are lost, and others' claims must rerun them
+            self._unacked.difference_update(acks)
+            raise
         for key, records in self._replies.items():
             replies.setdefault(key, []).extend(records)
         self._replies, self._acks = replies, acks + self._acks
@@ -681,6 +687,8 @@ class Worker:
                 entries = await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, ttl_ms,
                                                   [h["message_id"] for h in held])
                 await self._take_over(entries)
+                if entries and consumer["pending"] > len(held):  # more than there was room for
+                    self._orphans_waiting = True
 
     async def _take_over(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
         entries = [(eid, fields) for eid, fields in entries if fields]

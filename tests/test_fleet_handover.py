@@ -16,10 +16,11 @@ from gateway.batcher import CommandBatcher
 from gateway.results import ResultMux
 from slogate import keys, protocol
 from slogate.crypto import Sealer
-from slogate.protocol import Delta, Final, GenerateRequest, SamplingParams
+from slogate.protocol import Delta, Error, Final, GenerateRequest, SamplingParams
 from slogate.tasks import cancel_and_wait
 
 REPLIES = keys.replies("test-gateway")
+Q = keys.queue("p")
 
 
 def request(rid: str, max_tokens: int, reply: str = REPLIES, stream: bool = True) -> GenerateRequest:
@@ -148,3 +149,115 @@ async def test_records_redis_lost_on_the_way_do_not_trip_the_pools_breaker() -> 
         completions._observe(job)
     assert state.admission.breaker("interactive").state(time.time()) == "closed", \
         "a Redis fault opened the pool's circuit"
+
+
+def _queued(rid: str, max_tokens: int = 5) -> GenerateRequest:
+    return GenerateRequest(id=rid, model="m", pool="p", cls="batch", sampling=SamplingParams(max_tokens=max_tokens),
+                           deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt=f"hello {rid}")
+
+
+async def _enqueue_with_reply(client: aioredis.Redis, req: GenerateRequest) -> None:
+    await client.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.REPLY_FIELD: REPLIES,
+                                        protocol.FIELD: protocol.encode(req)})
+
+
+async def test_a_flush_a_bug_breaks_leaves_its_request_to_be_claimed_and_run_again(redis_url, monkeypatch) -> None:
+    """A send that fails for a bug, not Redis, loses its records and acks; the request must not
+    stay this worker's for ever, but be claimed after claim_idle_s and run again."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0.005), client,
+                    WorkerSettings(pool="p", heartbeat_interval_s=0.1, heartbeat_ttl_s=0.3, claim_idle_s=0.6))
+    real, calls = protocol.encode_batch, []
+
+    def flaky(records):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in a write")
+        return real(records)
+
+    monkeypatch.setattr(protocol, "encode_batch", flaky)
+    task = asyncio.create_task(worker.run())
+    try:
+        await _enqueue_with_reply(client, _queued("r", 3))
+        await asyncio.sleep(3.0)
+        pending = (await client.xpending(Q, keys.GROUP))["pending"]
+        assert (await finals(client), pending, worker._unacked) == (["r"], 0, set())
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
+
+
+async def test_an_unreadable_entry_with_a_reply_field_that_is_not_utf8_leaves_the_intake_running(redis_url) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0.005), client, WorkerSettings(pool="p"))
+    task = asyncio.create_task(worker.run())
+    try:
+        await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
+        await client.xadd(Q, {protocol.ID_FIELD: "bad", protocol.REPLY_FIELD: b"\xff\xfe", protocol.FIELD: b"junk"})
+        await _enqueue_with_reply(client, _queued("good"))
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if await finals(client):
+                break
+        assert await finals(client) == ["good"]
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
+
+
+async def test_an_unreadable_entry_naming_a_key_that_is_no_reply_stream_is_not_answered_there(redis_url) -> None:
+    """The reply field is not authenticated: one that names another kind of key (whose XADD
+    would fail every later send with it) gets no answer there, and no TTL."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.sadd(keys.WORKERS, "someone")  # any non-stream key
+    worker = Worker(create(decode_base_s=0.005), client, WorkerSettings(pool="p"))
+    task = asyncio.create_task(worker.run())
+    try:
+        await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
+        await client.xadd(Q, {protocol.ID_FIELD: "bad", protocol.REPLY_FIELD: keys.WORKERS, protocol.FIELD: b"junk"})
+        await _enqueue_with_reply(client, _queued("good"))
+        await asyncio.sleep(2.0)
+        ttl = await client.pttl(keys.WORKERS)
+        assert (await finals(client), worker._send_failing, ttl) == (["good"], False, -1)
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
+
+
+async def test_an_unreadable_entry_taken_over_is_answered_with_its_attempt(redis_url) -> None:
+    """Claimed as a third delivery (its gateway relaying attempt 2), its answer says attempt 3:
+    one of attempt 1 would be dropped there as stale."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0.005), client, WorkerSettings(pool="p"))
+    await worker._accept([(b"5-0", {protocol.ID_FIELD: b"x", protocol.REPLY_FIELD: REPLIES.encode(),
+                                     protocol.FIELD: b"junk"})], attempts={b"5-0": 3})
+    (rid, sealed), = worker._replies[REPLIES]
+    err = protocol.decode_result(worker.sealer.open(sealed, rid))
+    assert isinstance(err, Error) and err.attempt == 3, err
+    await client.aclose()
+
+
+async def test_orphans_beyond_the_room_still_go_before_new_work(redis_url) -> None:
+    """A dead worker held 8 requests; the live one has room for 2 at a time: all 8 still go
+    before the new ones, not only those the first takeover had room for."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
+    for i in range(8):
+        await _enqueue_with_reply(client, _queued(f"orphan{i}", 5))
+    await client.xreadgroup(keys.GROUP, "dead", {Q: ">"}, count=8)
+    for i in range(40):
+        await _enqueue_with_reply(client, _queued(f"new{i}", 5))
+    await asyncio.sleep(1.1)  # the orphans idle past the takeover's TTL
+    settings = WorkerSettings(pool="p", worker_id="live", heartbeat_interval_s=0.5, heartbeat_ttl_s=1.0,
+                              claim_idle_s=30, intake_factor=1)
+    worker = Worker(create(decode_base_s=0.01, max_batch=2), client, settings)
+    task = asyncio.create_task(worker.run())
+    try:
+        while len(await finals(client)) < 48:
+            await asyncio.sleep(0.05)
+        order = await finals(client)
+        last_orphan = max(order.index(f"orphan{i}") for i in range(8))
+        assert last_orphan < 14, f"the last orphan finished {last_orphan + 1}th of 48: {order}"
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
