@@ -189,10 +189,10 @@ async def test_a_flush_a_bug_breaks_leaves_its_request_to_be_claimed_and_run_aga
 
 async def test_an_unreadable_entry_with_a_reply_field_that_is_not_utf8_leaves_the_intake_running(redis_url) -> None:
     client = aioredis.Redis.from_url(redis_url)
+    await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
     worker = Worker(create(decode_base_s=0.005), client, WorkerSettings(pool="p"))
     task = asyncio.create_task(worker.run())
     try:
-        await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
         await client.xadd(Q, {protocol.ID_FIELD: "bad", protocol.REPLY_FIELD: b"\xff\xfe", protocol.FIELD: b"junk"})
         await _enqueue_with_reply(client, _queued("good"))
         for _ in range(40):
@@ -210,10 +210,10 @@ async def test_an_unreadable_entry_naming_a_key_that_is_no_reply_stream_is_not_a
     would fail every later send with it) gets no answer there, and no TTL."""
     client = aioredis.Redis.from_url(redis_url)
     await client.sadd(keys.WORKERS, "someone")  # any non-stream key
+    await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
     worker = Worker(create(decode_base_s=0.005), client, WorkerSettings(pool="p"))
     task = asyncio.create_task(worker.run())
     try:
-        await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
         await client.xadd(Q, {protocol.ID_FIELD: "bad", protocol.REPLY_FIELD: keys.WORKERS, protocol.FIELD: b"junk"})
         await _enqueue_with_reply(client, _queued("good"))
         await asyncio.sleep(2.0)

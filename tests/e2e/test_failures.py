@@ -294,6 +294,7 @@ async def test_a_pool_left_without_workers_ends_its_requests_and_no_later_worker
             # Run, they would hold the new worker for a minute (3,000 steps of 20 ms).
             await asyncio.to_thread(wait_for, lambda: client.xpending("slogate:q:batch", "workers")["pending"] == 0,
                                     20, "the new worker to take the dead one's requests over and drop them")
+            await asyncio.to_thread(stack.wait_models, MODEL)  # it takes them over before its first heartbeat
             async with s.post(url, json=body(5), headers=batch) as resp:
                 assert resp.status == 200, await resp.text()
     finally:

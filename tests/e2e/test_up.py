@@ -170,6 +170,7 @@ def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_mod
     with slogate_up(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), stderr=subprocess.PIPE,
                     log_level="INFO") as up:
         wait_ready(up, port, 240)
+        time.sleep(1.0)  # up looks every 0.2 s, and says it is ready once it has seen it
         workers = [pid for pid in children(up.pid) if b"worker" in cmdline(pid)]
         engine = next(pid for pid in children(workers[0]) if b"spawn_main" in cmdline(pid))
         os.kill(engine, signal.SIGKILL)
