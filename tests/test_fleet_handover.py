@@ -7,6 +7,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -96,36 +97,10 @@ async def test_a_worker_whose_heartbeat_lapsed_does_not_keep_running_what_anothe
         await client.aclose()
 
 
-async def test_a_dead_workers_request_is_taken_over_even_while_new_work_keeps_the_worker_full(
-        redis_url: str) -> None:
-    """Worker 'dead' read request 'orphan' (older than all the rest) and died. The live worker
-    is kept full by a backlog; the orphan must still go before the backlog, not after it."""
-    client = aioredis.Redis.from_url(redis_url)
-    await client.xgroup_create(keys.queue("p"), keys.GROUP, id="0", mkstream=True)
-    await enqueue(client, request("orphan", 10))
-    await client.xreadgroup(keys.GROUP, "dead", {keys.queue("p"): ">"}, count=1)
-    for i in range(24):
-        await enqueue(client, request(f"new{i}", 10))
-    settings = WorkerSettings(pool="p", worker_id="live", heartbeat_interval_s=0.1, heartbeat_ttl_s=0.3,
-                              claim_idle_s=30, intake_factor=1)
-    worker = Worker(create(decode_base_s=0.02, max_batch=2), client, settings)
-    task = asyncio.create_task(worker.run())
-    try:
-        while len(await finals(client)) < 25:
-            await asyncio.sleep(0.05)
-        order = await finals(client)
-        assert order.index("orphan") < 6, f"the orphan finished {order.index('orphan') + 1}th of 25: {order}"
-    finally:
-        await cancel_and_wait([task])
-        await client.aclose()
-
-
 async def test_records_redis_lost_on_the_way_do_not_trip_the_pools_breaker() -> None:
     """A record that never reaches the gateway (a Redis that restarted or failed over) ends its
     request with a 502, but says nothing of the pool: one blip that catches a few streams must
     not open the pool's breaker for everyone."""
-    import pytest
-
     from gateway import completions, schema
     from gateway.errors import APIError
     from gateway.metrics import GatewayMetrics
@@ -237,27 +212,30 @@ async def test_an_unreadable_entry_taken_over_is_answered_with_its_attempt(redis
     await client.aclose()
 
 
-async def test_orphans_beyond_the_room_still_go_before_new_work(redis_url) -> None:
-    """A dead worker held 8 requests; the live one has room for 2 at a time: all 8 still go
-    before the new ones, not only those the first takeover had room for."""
+@pytest.mark.parametrize("orphans,new", [(1, 24), (8, 40)])
+async def test_a_dead_workers_requests_go_before_new_work_however_full_the_live_worker_is(
+        redis_url: str, orphans: int, new: int) -> None:
+    """Worker 'dead' read the oldest requests and died. The live one, with room for 2 at a
+    time, is kept full by the newer ones: the dead one's still go first, all of them, not only
+    those the first takeover had room for."""
     client = aioredis.Redis.from_url(redis_url)
     await client.xgroup_create(Q, keys.GROUP, id="0", mkstream=True)
-    for i in range(8):
-        await _enqueue_with_reply(client, _queued(f"orphan{i}", 5))
-    await client.xreadgroup(keys.GROUP, "dead", {Q: ">"}, count=8)
-    for i in range(40):
-        await _enqueue_with_reply(client, _queued(f"new{i}", 5))
-    await asyncio.sleep(1.1)  # the orphans idle past the takeover's TTL
-    settings = WorkerSettings(pool="p", worker_id="live", heartbeat_interval_s=0.5, heartbeat_ttl_s=1.0,
+    for i in range(orphans):
+        await enqueue(client, request(f"orphan{i}", 5))
+    await client.xreadgroup(keys.GROUP, "dead", {Q: ">"}, count=orphans)
+    for i in range(new):
+        await enqueue(client, request(f"new{i}", 5))
+    await asyncio.sleep(0.4)  # idle past the heartbeat TTL a takeover asks of them
+    settings = WorkerSettings(pool="p", worker_id="live", heartbeat_interval_s=0.1, heartbeat_ttl_s=0.3,
                               claim_idle_s=30, intake_factor=1)
     worker = Worker(create(decode_base_s=0.01, max_batch=2), client, settings)
     task = asyncio.create_task(worker.run())
     try:
-        while len(await finals(client)) < 48:
+        while len(await finals(client)) < orphans + new:
             await asyncio.sleep(0.05)
         order = await finals(client)
-        last_orphan = max(order.index(f"orphan{i}") for i in range(8))
-        assert last_orphan < 14, f"the last orphan finished {last_orphan + 1}th of 48: {order}"
+        last = max(order.index(f"orphan{i}") for i in range(orphans))
+        assert last < orphans + 6, f"the last orphan finished {last + 1}th of {orphans + new}: {order}"
     finally:
         await cancel_and_wait([task])
         await client.aclose()
