@@ -172,11 +172,7 @@ class Worker:
                 continue
             if self._orphans_waiting:  # older, and maybe half streamed to their clients: first
                 self._orphans_waiting = False
-                try:
-                    await self._claim_departed(int(self.s.heartbeat_ttl_s * 1000))
-                except (RedisError, OSError) as exc:
-                    if not _queue_gone(exc):
-                        log.warning("takeover pass failed: %s", exc)
+                await self._take_over_departed()
                 continue
             try:
                 resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
@@ -655,14 +651,16 @@ class Worker:
         ``heartbeat_interval_s``; one gone past its TTL means the worker is gone, and what it
         held has been idle at least that long, which the claim requires (so of two workers
         that see it, one wins). Departed consumers that hold nothing leave the group."""
-        ttl_ms = int(self.s.heartbeat_ttl_s * 1000)
         while not self._stopping.is_set():
             await asyncio.sleep(self.s.heartbeat_interval_s)
-            try:
-                await self._claim_departed(ttl_ms)
-            except (RedisError, OSError) as exc:
-                if not _queue_gone(exc):
-                    log.warning("takeover pass failed: %s", exc)
+            await self._take_over_departed()
+
+    async def _take_over_departed(self) -> None:
+        try:
+            await self._claim_departed(int(self.s.heartbeat_ttl_s * 1000))
+        except (RedisError, OSError) as exc:
+            if not _queue_gone(exc):
+                log.warning("takeover pass failed: %s", exc)
 
     async def _claim_departed(self, ttl_ms: int) -> None:
         consumers = [c for c in await self.redis.xinfo_consumers(self.queue, keys.GROUP)

@@ -31,7 +31,8 @@ def request(rid: str, max_tokens: int, reply: str = REPLIES, stream: bool = True
 
 
 async def enqueue(client: aioredis.Redis, req: GenerateRequest) -> None:
-    await client.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.FIELD: protocol.encode(req)})
+    await client.xadd(Q, {protocol.ID_FIELD: req.id, protocol.REPLY_FIELD: req.reply,
+                          protocol.FIELD: protocol.encode(req)})
 
 
 async def finals(client: aioredis.Redis) -> list[str]:
@@ -126,16 +127,6 @@ async def test_records_redis_lost_on_the_way_do_not_trip_the_pools_breaker() -> 
         "a Redis fault opened the pool's circuit"
 
 
-def _queued(rid: str, max_tokens: int = 5) -> GenerateRequest:
-    return GenerateRequest(id=rid, model="m", pool="p", cls="batch", sampling=SamplingParams(max_tokens=max_tokens),
-                           deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt=f"hello {rid}")
-
-
-async def _enqueue_with_reply(client: aioredis.Redis, req: GenerateRequest) -> None:
-    await client.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.REPLY_FIELD: REPLIES,
-                                        protocol.FIELD: protocol.encode(req)})
-
-
 async def test_a_flush_a_bug_breaks_leaves_its_request_to_be_claimed_and_run_again(redis_url, monkeypatch) -> None:
     """A send that fails for a bug, not Redis, loses its records and acks; the request must not
     stay this worker's for ever, but be claimed after claim_idle_s and run again."""
@@ -153,7 +144,7 @@ async def test_a_flush_a_bug_breaks_leaves_its_request_to_be_claimed_and_run_aga
     monkeypatch.setattr(protocol, "encode_batch", flaky)
     task = asyncio.create_task(worker.run())
     try:
-        await _enqueue_with_reply(client, _queued("r", 3))
+        await enqueue(client, request("r", 3))
         await asyncio.sleep(3.0)
         pending = (await client.xpending(Q, keys.GROUP))["pending"]
         assert (await finals(client), pending, worker._unacked) == (["r"], 0, set())
@@ -169,7 +160,7 @@ async def test_an_unreadable_entry_with_a_reply_field_that_is_not_utf8_leaves_th
     task = asyncio.create_task(worker.run())
     try:
         await client.xadd(Q, {protocol.ID_FIELD: "bad", protocol.REPLY_FIELD: b"\xff\xfe", protocol.FIELD: b"junk"})
-        await _enqueue_with_reply(client, _queued("good"))
+        await enqueue(client, request("good", 5))
         for _ in range(40):
             await asyncio.sleep(0.05)
             if await finals(client):
@@ -190,7 +181,7 @@ async def test_an_unreadable_entry_naming_a_key_that_is_no_reply_stream_is_not_a
     task = asyncio.create_task(worker.run())
     try:
         await client.xadd(Q, {protocol.ID_FIELD: "bad", protocol.REPLY_FIELD: keys.WORKERS, protocol.FIELD: b"junk"})
-        await _enqueue_with_reply(client, _queued("good"))
+        await enqueue(client, request("good", 5))
         await asyncio.sleep(2.0)
         ttl = await client.pttl(keys.WORKERS)
         assert (await finals(client), worker._send_failing, ttl) == (["good"], False, -1)
