@@ -322,9 +322,9 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
                     job.outcome, job.status = exc.code, 502
                     raise APIError(502, str(exc), None, exc.code) from None
                 if isinstance(rec, Delta):
-                    job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
-                    if text is None:
+                    if text is None:  # stale or repeated: its counts are not the answer's
                         continue
+                    job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
                     if text and not job.first_token_at:
                         job.first_token_at = time.time()
                 elif rec.attempt and rec.attempt < relay.attempt:

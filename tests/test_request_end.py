@@ -168,6 +168,26 @@ def test_the_gateways_own_error_leaves_the_request_to_be_cancelled_on_the_worker
         assert job.worker_done is worker_done, record
 
 
+async def test_a_stale_attempts_record_does_not_set_the_token_counts() -> None:
+    """A record of an attempt the relay has moved past is dropped, and so are its counts: the
+    request's usage (audit, metrics) is the current attempt's, however it then ends."""
+    from gateway.completions import _records
+    from gateway.relay import Relay
+    from gateway.results import Subscription
+    from slogate.protocol import Delta, Error
+
+    sub = Subscription("r", keep_alive=True)
+    for rec in (Delta("ab", 0, attempt=2, prompt_tokens=5, completion_tokens=2),
+                Delta("abcdef", 0, attempt=1, prompt_tokens=5, completion_tokens=6),
+                Error("engine failed", "engine_error", 500, attempt=2)):
+        sub.records.put_nowait(rec)
+    job = _stream_job(sub)
+    relay = Relay(streamed=True, deterministic=True)
+    texts = [text async for text, _ in _records(job, relay)]
+    assert texts == ["ab", None]
+    assert (job.prompt_tokens, job.completion_tokens) == (5, 2)
+
+
 def _stream_job(sub: object = None, include_usage: bool = False) -> _Job:
     """A streamed chat request as ``_run`` hands it on, waiting on ``sub``."""
     now = time.time()
