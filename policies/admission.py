@@ -232,7 +232,8 @@ class AdmissionController:
             sig = signals.get(pool)
             if sig is None:
                 continue
-            demand += sig.in_flight
+            # What workers taking no new requests still hold is in the stream, not in the capacity.
+            demand += max(sig.in_flight - sum(w.running + w.waiting for w in sig.workers if w.capacity <= 0), 0)
             capacity += sum(w.capacity for w in sig.workers)
         return demand / capacity if capacity else 0.0
 

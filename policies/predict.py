@@ -173,18 +173,22 @@ class PoolLoad:
     """The shortest quiet decode step any of these workers reported; 0 when none did."""
     hint: str | None
     """The worker that could start one more request soonest, counting its own step times."""
+    parked: int = 0
+    """Requests held by workers that take no new ones (draining or paused: no capacity). They
+    are in the pool's stream, so in ``in_flight``, yet hold none of the slots counted here."""
 
 
 def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est: PoolEstimate) -> PoolLoad:
     """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
     max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
-    capacity = count = running = 0
+    capacity = count = running = parked = 0
     cap_timed = prefill = decode = per_seq = quiet = 0.0
     hint, best = None, 0.0
     prompt, completion = est.prompt_tokens, est.completion_tokens
     for w in workers:
         cap = w.capacity
         if cap <= 0:
+            parked += w.running + w.waiting
             continue
         if model is not None:
             for m in w.models:
@@ -214,7 +218,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
             hint, best = w.worker_id, score
     if cap_timed:
         prefill, decode, per_seq = prefill / cap_timed, decode / cap_timed, per_seq / cap_timed
-    return PoolLoad(capacity, count, prefill, decode, per_seq, running, quiet, hint)
+    return PoolLoad(capacity, count, prefill, decode, per_seq, running, quiet, hint, parked)
 
 
 def unseen_growth(in_flight: int, load: PoolLoad) -> float:
@@ -288,6 +292,7 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     Non-decreasing in ``in_flight`` and in ``prompts_ahead_s``."""
     if load.capacity <= 0:
         return None
+    in_flight = max(in_flight - load.parked, 0)
     c = costs(load, est, cfg)
     growth = unseen_growth(in_flight, load)
     c = c._replace(decode_s_per_token=c.decode_s_per_token + growth)

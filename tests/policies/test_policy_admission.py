@@ -400,3 +400,18 @@ def test_a_request_that_fits_an_idle_pool_is_shed_overloaded_with_a_retry() -> N
     assert (score.outcome, score.reason) == ("shed", "overloaded") and score.retry_after_s > 0
     report = ask(ctl, sig, max_tokens=400, now=0.1)  # 4 s even on an idle pool
     assert (report.outcome, report.reason, report.retry_after_s) == ("shed", "exceeds-objective", 0.0)
+
+
+def test_a_draining_workers_requests_do_not_fill_the_slots_of_the_live_one() -> None:
+    """A worker told to stop reports no capacity while it finishes the 8 requests it holds; they
+    are still in the pool's stream. They take none of the live worker's slots: a request that
+    finds that worker idle is admitted, not told the pool is full."""
+    sig = {"interactive": PoolSignals("interactive", 8, [hb("live", capacity=8),
+                                                         hb("leaving", running=8, capacity=0)])}
+    ctl = AdmissionController(CFG)
+    d = ask(ctl, sig)
+    assert (d.outcome, d.reason, d.worker) == ("admit", "fits", "live")
+    assert d.predicted_s == pytest.approx(100 * 0.0001 + 8 * 0.01)
+    # Nor do they make interactive load high, holding back batch headed for the spill pool.
+    b = ask(ctl, {**sig, "batch": signals(b_running=0)["batch"]}, cls="batch", max_tokens=300)
+    assert (b.outcome, b.reason) == ("admit", "queued")
