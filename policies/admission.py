@@ -145,7 +145,8 @@ class AdmissionController:
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
             book.promise(budget - pred.total_s, until, now)
             return decision
-        if pred.floor_service_s > self.objective(stream) / self.cfg.admission.margin:
+        # A relaxed loop admits beyond the margin on an idle pool: no retry that would fit is refused.
+        if pred.floor_service_s > max(budget, self.objective(stream) / self.cfg.admission.margin):
             return Decision("shed", "exceeds-objective", 429, 0.0, pred.floor_service_s, route.pool, route.worker)
         if self._probe_due(route.pool, now):  # never one that misses on an idle pool: it would teach nothing
             return self._admit("probe", route, now)

@@ -415,3 +415,16 @@ def test_a_draining_workers_requests_do_not_fill_the_slots_of_the_live_one() -> 
     # Nor do they make interactive load high, holding back batch headed for the spill pool.
     b = ask(ctl, {**sig, "batch": signals(b_running=0)["batch"]}, cls="batch", max_tokens=300)
     assert (b.outcome, b.reason) == ("admit", "queued")
+
+
+def test_a_request_admitted_on_an_idle_pool_is_never_told_it_exceeds_the_objective() -> None:
+    """Measured answers well under the objective relaxed the loop (budget 0.25 s): 14 tokens,
+    0.15 s even on an idle pool, are admitted there. On a busy pool the same request is
+    overloaded, to retry, not one that "exceeds the objective even on an idle pool"."""
+    ctl = AdmissionController(CFG)
+    ctl.feedback.factor = 0.5
+    idle = ask(ctl, signals(i_running=0), max_tokens=14)
+    assert (idle.outcome, idle.reason) == ("admit", "fits")
+    busy = ask(ctl, signals(i_depth=20, i_running=8), max_tokens=14, now=0.1)
+    assert (busy.outcome, busy.reason) == ("shed", "overloaded")
+    assert busy.retry_after_s > 0
