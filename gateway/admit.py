@@ -155,5 +155,8 @@ def _fixed_route(state: GatewayState, parsed: ParsedRequest, cls: str) -> Decisi
     """Admission off: the class's first pool that serves the model. The feedback loop still
     judges the answers (its factor is a metric then), under the epoch they were sent in."""
     serving = set(state.directory.view.pools_serving(parsed.model))
+    if not serving:  # its last worker left after the request was checked (awaiting the rate limit, say)
+        retry = state.cfg.policies.admission.unavailable_retry_after_s
+        raise _refusal(state, cls, Decision("unavailable", "no-workers", 503, retry), parsed, 0)
     pool = next((p for p in state.cfg.policies.routing.pools[cls] if p in serving), None) or sorted(serving)[0]
     return Decision("admit", "admission-off", 200, pool=pool, epoch=state.admission.feedback.epoch)

@@ -203,6 +203,19 @@ async def test_with_admission_off_answers_are_judged_under_the_loops_current_epo
     assert (decision.pool, decision.reason, decision.epoch) == ("interactive", "admission-off", 3)
 
 
+async def test_with_admission_off_a_model_whose_last_worker_left_is_a_503() -> None:
+    """The model was served when the request was checked; its last worker left while the rate
+    limit or the stream slot was asked for. No pool to route to: 503, as with admission on."""
+    controller = AdmissionController(policy_config.load({}))
+    state = SimpleNamespace(cfg=SimpleNamespace(admission_control=False, policies=controller.cfg),
+                            admission=controller, directory=SimpleNamespace(
+                                view=SimpleNamespace(pools_serving=lambda model: [])))
+    with pytest.raises(APIError) as refused:
+        await admit(state, PARSED, "interactive", time.time() + 30)
+    assert refused.value.status == 503 and refused.value.headers["x-slogate-reason"] == "no-workers"
+    assert refused.value.headers["Retry-After"] == "1"
+
+
 def test_a_full_line_says_when_a_place_should_free_from_how_it_has_moved() -> None:
     now = [100.0]
     line = HoldLine(clock=lambda: now[0])
