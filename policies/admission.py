@@ -31,6 +31,9 @@ from policies.routing import Route, pick
 
 Outcome = Literal["admit", "wait", "shed", "unavailable", "expired"]
 
+UNJUDGED = -1
+"""An epoch the feedback loop never reaches: answers admitted under it are left out of it."""
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -51,7 +54,8 @@ class Decision:
     gateway keeps it while the request is in flight (:class:`policies.inflight.InFlight`)."""
     epoch: int = 0
     """The feedback loop's verdicts when it was admitted: its answer is judged under them
-    (:meth:`AdmissionController.observe`)."""
+    (:meth:`AdmissionController.observe`). ``UNJUDGED`` for a probe: let through against the
+    prediction, its answer says nothing of how far to trust predictions."""
 
     @property
     def admitted(self) -> bool:
@@ -161,7 +165,7 @@ class AdmissionController:
         self.breaker(route.pool).acquire(now)
         self.prompt_book(route.pool).book(pred.prompt_share_s, now, pred.priced_share)
         return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
-                        now + pred.wait_s + pred.hold_s, self.feedback.epoch)
+                        now + pred.wait_s + pred.hold_s, UNJUDGED if reason == "probe" else self.feedback.epoch)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,

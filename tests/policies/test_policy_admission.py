@@ -428,3 +428,21 @@ def test_a_request_admitted_on_an_idle_pool_is_never_told_it_exceeds_the_objecti
     busy = ask(ctl, signals(i_depth=20, i_running=8), max_tokens=14, now=0.1)
     assert (busy.outcome, busy.reason) == ("shed", "overloaded")
     assert busy.retry_after_s > 0
+
+
+def test_probes_admitted_against_the_prediction_do_not_tighten_the_loop() -> None:
+    """A probe goes through a pool predicted too slow for it, to keep the learned costs honest:
+    that it is late says the prediction was right. Counted by the loop, three late probes of
+    a sustained overload tightened admission for every request (and the loop kept tightening
+    for as long as the overload lasted, up to its maximum)."""
+    ctl = AdmissionController(CFG)
+    overloaded = signals(i_depth=200, i_running=8, b_depth=500, b_running=64)
+    now = 100.0
+    for _ in range(2 * CFG.admission.feedback.samples):
+        probe = ask(ctl, overloaded, now=now)
+        assert (probe.outcome, probe.reason) == ("admit", "probe")
+        now += 0.3
+        ctl.observe(pool=probe.pool, cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
+                    queue_wait_s=0.2, ttft_s=0.25, e2e_s=0.3, now=now, epoch=probe.epoch)
+        now += 2 * CFG.admission.probe_interval_s
+    assert ctl.feedback.factor == 1.0
