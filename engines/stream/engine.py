@@ -153,7 +153,10 @@ class StreamEngine(PagedEngine):
 
         def pause(_layer: int) -> None:
             began = time.perf_counter()
-            while arrivals() and (newcomers := self.scheduler.cut_in()).seqs:
+            while arrivals():
+                self._send_refusals(send)
+                if not (newcomers := self.scheduler.cut_in()).seqs:
+                    break
                 outputs = self._pass(newcomers, 0)
                 send(outputs)
                 if more := self._until_text(outputs):
@@ -161,6 +164,13 @@ class StreamEngine(PagedEngine):
             self._paused_s += time.perf_counter() - began
 
         return self.runner.run(sched, pause)
+
+    def _send_refusals(self, send: Send) -> None:
+        """Send the refusals of requests that arrived during the step before it goes on: the
+        step may yet fail, and a client's mistake must stay a 400, not become its failure."""
+        if self._pending:
+            refused, self._pending = self._pending, []
+            send(refused)
 
     def _pass(self, sched: Schedule, decodes: int) -> list[StepOutput]:
         """Run ``sched`` (its first ``decodes`` rows decodes, the rest prompts) outside a step,

@@ -513,3 +513,37 @@ def test_a_request_the_engine_refused_keeps_its_400_when_the_next_step_fails(loa
     step_until_stopped(engine, lambda wait: commands.pop(0) if commands else None, report)
     assert outcome == {"bad": 400, "good": "engine failure"}
     assert_pool_clean(engine)
+
+
+def test_a_request_refused_while_a_step_is_paused_keeps_its_400_when_that_step_fails(loaded: LoadedModel) -> None:
+    """A request that arrives between two layers of a step and that the engine refuses is the
+    client's mistake, whatever the step does next: the step failing after the pause must not
+    turn its 400 into an engine failure (500)."""
+    engine = StreamEngine(loaded, StreamOptions(num_blocks=64, warmup=False))
+    run = engine.runner.run
+
+    def paused_then_failed(sched, pause=None):
+        if pause is None:
+            return run(sched)
+        pause(1)
+        raise RuntimeError("out of memory (simulated)")
+
+    engine.runner.run = paused_then_failed
+    deadline = time.time() + 60
+    commands = [("add", EngineRequest("good", SamplingParams(max_tokens=4), deadline, prompt="hello")), None,
+                ("add", EngineRequest("bad", SamplingParams(max_tokens=4, stop_token_ids=[10**6]), deadline,
+                                      prompt="hi")), ("stop",)]
+    outcome: dict[str, object] = {}
+
+    def report(r) -> None:
+        if isinstance(r, Step):
+            for o in r.outputs:
+                if o.error:
+                    outcome.setdefault(o.request_id, o.error_status)
+        elif isinstance(r, Failure):
+            for rid in r.request_ids:
+                outcome.setdefault(rid, "engine failure")
+
+    step_until_stopped(engine, lambda wait: commands.pop(0) if commands else None, report)
+    assert outcome == {"bad": 400, "good": "engine failure"}
+    assert_pool_clean(engine)
