@@ -117,6 +117,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
                 engine.abort_request(request_id)
             report(Failure(held, traceback.format_exc(limit=1)))
             held = set()
+            idle_reported = False  # a failure carries no load: what it dropped shows in the next report
             continue
         idle_reported = False
         send(outputs)

@@ -130,3 +130,35 @@ def test_outputs_sent_during_a_step_are_reported_before_it_ends_and_count_as_del
     assert engine.log[:4] == ["add a", "add late in step", "report Step", "sent late"]
     assert [o.request_id for o in reports[0].outputs] == ["late"]
     assert reports[1].request_ids == {"a"}, "late finished in what was sent: the failed step does not fail it"
+
+
+class FailsAfterSending(Recorder):
+    """Sends an output of the request it holds, then fails the step."""
+
+    def step(self, arrivals=None, send=None) -> list[StepOutput]:
+        send([StepOutput("a", "x", [1])])
+        raise RuntimeError("out of memory (simulated)")
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self.live), waiting=0, capacity=4, kv_usage=0.5 if self.live else 0.0)
+
+
+def test_an_engine_that_a_failed_step_left_holding_nothing_reports_its_load_as_idle():
+    """The worker's view of an engine process's load comes from its reports: the last one
+    before a failure said it ran a request, and a failure says nothing of load. Without an
+    idle report after it, the worker's heartbeats went on showing that request for as long as
+    no new one came."""
+    engine = FailsAfterSending(during_first_step=[])
+    engine.inbox.append(("add", request("a")))
+    reports: list[Report] = []
+
+    def next_command(wait: bool):
+        if wait and not engine.inbox:
+            raise WorkerGone
+        return engine.inbox.popleft() if engine.inbox else None
+
+    with pytest.raises(WorkerGone):
+        step_until_stopped(engine, next_command, reports.append)
+    assert [type(r).__name__ for r in reports] == ["Step", "Failure", "Idle"]
+    assert reports[0].load.running == 1
+    assert reports[-1].load.running == 0 and reports[-1].load.kv_usage == 0.0
