@@ -25,7 +25,7 @@ from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.grammar import Grammars, TokenizerUnsupported, matcher_error
-from engines.runtime.loader import LoadedModel
+from engines.runtime.loader import COUNT, LoadedModel
 from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample, token_logprobs
 from engines.runtime.token_pieces import TokenPieces
@@ -50,12 +50,12 @@ class _Live:
 
 @dataclass
 class PagedOptions:
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 512 * 2**20
+    block_size: COUNT = 16
+    num_blocks: COUNT | None = None
+    kv_cache_bytes: COUNT = 512 * 2**20
     """Used when ``num_blocks`` is not given: the pool takes as many blocks as fit."""
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 1024
+    max_num_seqs: COUNT = 64
+    max_batched_tokens: COUNT = 1024
     enable_prefix_caching: bool = True
     decode_kernel: str | None = None
     """Decode attention: ``native`` (fused C++ kernel), ``torch`` or ``auto``; None reads

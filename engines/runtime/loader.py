@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
+import msgspec
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -201,17 +202,29 @@ E = TypeVar("E")
 O = TypeVar("O")
 
 
+COUNT = Annotated[int, msgspec.Meta(ge=1)]
+"""An engine option that counts something the engine cannot do without (a batch, a chunk, a
+block): zero started cleanly and then served nothing (``load_engine`` checks it)."""
+AT_LEAST_0 = Annotated[int, msgspec.Meta(ge=0)]
+SECONDS_OR_RATIO = Annotated[float, msgspec.Meta(ge=0)]
+
+
 def load_engine(name: str, engine: Callable[[LoadedModel, O], E], options_type: type[O], model: str | None,
                 dtype: str, device: str, options: dict[str, Any]) -> E:
-    """Check ``options`` against the engine's options dataclass (a typo names the valid ones
-    instead of failing deep inside), then load ``model`` and build the engine."""
+    """Check ``options`` against the engine's options dataclass, its types and ranges (a typo
+    names the valid ones, a zero count is refused, instead of failing deep inside or serving
+    nothing), then load ``model`` and build the engine."""
     if not model:
         raise ValueError(f"the {name} engine needs a model (a local directory or hub id)")
     known = {f.name for f in fields(options_type)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown {name} engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
-    return engine(load_model(model, dtype=dtype, device=device), options_type(**options))
+    try:
+        opts = msgspec.convert(options, options_type)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad {name} engine option: {exc}") from None
+    return engine(load_model(model, dtype=dtype, device=device), opts)
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:

@@ -26,7 +26,7 @@ from engines.paged.engine import PagedEngine, PagedOptions
 from engines.paged.model_runner import KVShape
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
-from engines.runtime.loader import LoadedModel
+from engines.runtime.loader import AT_LEAST_0, COUNT, SECONDS_OR_RATIO, LoadedModel
 from engines.stream.cost import Ewma, StepCost
 from engines.stream.scheduler import LatencyPolicy, LatencyScheduler, plan_chunks
 from slogate.protocol import SamplingParams
@@ -39,27 +39,27 @@ most 4 bytes, so byte-level tokens of one take at most 4."""
 
 @dataclass
 class StreamOptions:
-    max_batch: int = 16
-    step_budget_ms: float = 20.0
+    max_batch: COUNT = 16
+    step_budget_ms: SECONDS_OR_RATIO = 20.0
     """Engine time prompt work may add to a step while streams decode."""
-    max_stall_ratio: float = 1.0
-    min_chunk_tokens: int = 16
-    short_prompt_tokens: int = 512
-    prefill_chunk_tokens: int | None = None
+    max_stall_ratio: SECONDS_OR_RATIO = 1.0
+    min_chunk_tokens: COUNT = 16
+    short_prompt_tokens: AT_LEAST_0 = 512
+    prefill_chunk_tokens: COUNT | None = None
     """Fixed prompt tokens per step instead of the time budget."""
-    max_step_tokens: int = 2048
+    max_step_tokens: COUNT = 2048
     """Most tokens one step runs (a burst with no stream decoding takes up to this)."""
-    block_size: int = 16
-    kv_cache_bytes: int = 256 * 2**20
+    block_size: COUNT = 16
+    kv_cache_bytes: COUNT = 256 * 2**20
     """Upper bound of the KV pool; it holds at most ``max_batch`` full contexts."""
-    num_blocks: int | None = None
+    num_blocks: COUNT | None = None
     enable_prefix_caching: bool = True
     pack_weights: bool = True
     """As for the paged engine (:class:`engines.paged.PagedOptions`)."""
     cuda_graphs: bool = True
     """As for the paged engine; with graphs, while streams decode a step takes no more tokens
     than a graph runs."""
-    cut_ins_per_step: int = 2
+    cut_ins_per_step: AT_LEAST_0 = 2
     """Passes of newcomers' prompts that may pause one step between two layers, where the
     model allows (:mod:`engines.paged.layered`); 0: new prompts wait for the next step and
     run in it beside the streams, none first (:mod:`engines.stream.scheduler`). With CUDA

@@ -300,6 +300,8 @@ def test_bf16_engines_run_on_any_cpu(tiny_model_dir: Path, engine: str) -> None:
 def test_create_names_unknown_options(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="block_sise"):
         create(str(tiny_model_dir), block_sise=16)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        create(str(tiny_model_dir), max_num_seqs=0)
 
 
 def test_a_redelivered_request_is_served_once(make_engine: MakeEngine, reference: dict) -> None:

@@ -310,6 +310,15 @@ def test_create_names_a_bad_option(tiny_model_dir: Path):
         create(None)
 
 
+@pytest.mark.parametrize("option", [{"prefill_chunk_tokens": 0}, {"min_chunk_tokens": 0}, {"max_batch": "eight"},
+                                    {"step_budget_ms": -1.0}, {"cut_ins_per_step": -1}])
+def test_an_option_out_of_range_is_refused_at_start(tiny_model_dir: Path, option: dict) -> None:
+    """``prefill_chunk_tokens=0`` started cleanly and then ran no prompt at all: every request
+    waited for its deadline."""
+    with pytest.raises(ValueError, match=next(iter(option))):
+        create(str(tiny_model_dir), warmup=False, **option)
+
+
 def test_request_done_at_its_first_token_holds_no_kv(make, loaded: LoadedModel):
     engine = make()
     engine.add_request(request("one", PROMPTS[0], max_tokens=1))
