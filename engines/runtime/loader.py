@@ -228,15 +228,31 @@ def load_engine(name: str, engine: Callable[[LoadedModel, O], E], options_type: 
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:
+    """The longest context the engines compute as the model does. Their paged attention
+    attends over the whole context, which is what a layer with a sliding window computes only
+    while the context fits in its window: beyond it a request gets a 400, not other tokens."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = _sliding_window(text_config)
     for key in _CONTEXT_KEYS:
         value = getattr(text_config, key, None)
         if isinstance(value, int) and value > 0:
-            return value
+            return min(value, window or value)
     limit = getattr(tokenizer, "model_max_length", 0)
     if 0 < limit < 10**9:
-        return int(limit)
+        return min(int(limit), window or int(limit))
     raise ValueError("cannot tell the model's context length from its config")
+
+
+def _sliding_window(config: Any) -> int | None:
+    """How many positions back a layer with a sliding window attends, if any layer has one
+    (``layer_types`` names them where a model mixes both; Mistral's layers all slide)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> set[int]:

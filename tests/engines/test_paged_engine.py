@@ -11,7 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from engines.base import EngineRequest, StepOutput
 from engines.paged import PagedEngine, create
@@ -377,3 +382,43 @@ def test_logprobs_are_the_models_own_as_generate_gives_them(tiny_model_dir: Path
             else:
                 assert entry.top == []
     assert "".join(e.token for e in by_request["greedy"]) == tokenizer.decode(tokens["greedy"])
+
+
+def _sliding_window_model(tiny_model_dir: Path, out: Path, window: int) -> Path:
+    """The tiny model's tokenizer on a Mistral whose layers attend over the last ``window``
+    positions only."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           sliding_window=window, initializer_range=0.25, tie_word_embeddings=False,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        MistralForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_sliding_window_model_serves_only_contexts_its_window_holds(tiny_model_dir: Path, tmp_path: Path,
+                                                                     engine_device: str) -> None:
+    """Paged attention attends over the whole context: a model whose layers slide over the last
+    16 positions was served 34-token contexts with other tokens than its own. Within the window
+    both agree; beyond it the request is a 400."""
+    model_dir = _sliding_window_model(tiny_model_dir, tmp_path / "swa", window=16)
+    engine = create(str(model_dir), dtype="fp32", device=engine_device, num_blocks=64)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(engine_device).eval()
+    ids = engine.loaded.encode(PROMPTS[3], None)[:10]
+    prompt = torch.tensor([ids], device=engine_device)
+    expected = model.generate(prompt, do_sample=False, max_new_tokens=6, eos_token_id=None,
+                              attention_mask=torch.ones_like(prompt))[0, len(ids):].tolist()
+    fits = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    beyond = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("fits", fits, time.time() + 3600, prompt_ids=ids))
+    engine.add_request(EngineRequest("beyond", beyond, time.time() + 3600,
+                                     prompt_ids=engine.loaded.encode(PROMPTS[4], None)[:22]))
+    outputs = _drain(engine)
+    assert _tokens([o for o in outputs if o.request_id == "fits"])["fits"] == expected
+    error = next(o for o in outputs if o.request_id == "beyond")
+    assert (error.error_status, error.error_code) == (400, "context_length_exceeded"), error
+    assert engine.max_context == 16
+    _assert_pool_clean(engine)
