@@ -19,6 +19,7 @@ built, decodes skip the gather altogether: it reads each sequence's blocks in pl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -129,3 +130,14 @@ def _decode_attention(
 
 def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+def check_supported(config: Any) -> None:
+    """Refuse a model whose attention does more than this computes: soft-capped scores (Gemma
+    2's tanh before the softmax) would be served uncapped, every token's distribution off the
+    model's, with no error to tell."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text_config, "attn_logit_softcapping", None)
+    if softcap:
+        raise ValueError(f"paged attention has no soft-capping of attention scores, which this model uses "
+                         f"(attn_logit_softcapping={softcap})")

@@ -82,6 +82,7 @@ class ModelRunner:
         :mod:`engines.paged.native`; None reads ``SLOGATE_PAGED_KERNEL``). ``cuda_graphs``: on
         a GPU, run the steps that fit as CUDA graphs (:mod:`engines.paged.step_graphs`) for
         contexts up to ``max_context``."""
+        attention.check_supported(model.config)
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.model = model
