@@ -97,7 +97,7 @@ class ModelRunner:
             2, shape.layers, shape.kv_heads, pool_blocks * block_size, shape.head_dim, dtype=dtype, device=self.device
         )
         self._head_offsets = torch.arange(shape.kv_heads, device=self.device) * pool_blocks
-        self.native = self.device.type == "cpu" and native.use_native(kernel)
+        self.native = self.device.type == "cpu" and native.use_native(kernel, dtype)
         self.graphs: StepGraphs | None = None
         if graphs:
             self.graphs = StepGraphs(model, self.kv_cache, block_size, num_blocks, max_context, capture=True)

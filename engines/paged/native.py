@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 KERNEL_ENV = "SLOGATE_PAGED_KERNEL"
 CHOICES = ("auto", "native", "torch")
+DTYPES = (torch.float32, torch.bfloat16)
+"""What the kernel reads (``paged_decode`` refuses the rest)."""
 
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -350,12 +352,17 @@ def build() -> bool:
     return _loaded
 
 
-def use_native(choice: str | None = None) -> bool:
-    """Whether decodes run on this kernel, from ``choice`` or ``SLOGATE_PAGED_KERNEL``."""
+def use_native(choice: str | None = None, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether decodes of a ``dtype`` pool run on this kernel, from ``choice`` or
+    ``SLOGATE_PAGED_KERNEL``; ``auto`` leaves a pool the kernel cannot read to torch."""
     choice = (choice or os.environ.get(KERNEL_ENV) or "auto").lower()
     if choice not in CHOICES:
         raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(CHOICES)}, got {choice!r}")
     if choice == "torch":
+        return False
+    if dtype not in DTYPES:
+        if choice == "native":
+            raise ValueError(f"the paged decode kernel reads float32 and bfloat16 caches, not {dtype}")
         return False
     if not build():
         if choice == "native":

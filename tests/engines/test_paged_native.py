@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
-from engines.paged import native
+from engines.base import EngineRequest
+from engines.paged import PagedEngine, create, native
 from engines.paged.attention import _decode_attention
+from slogate.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(not native.build(), reason="the paged decode kernel cannot be built here")
 
@@ -61,3 +66,26 @@ def test_choice_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv(native.KERNEL_ENV, "cuda")
     with pytest.raises(ValueError):
         native.use_native()
+
+
+def _greedy_tokens(engine: PagedEngine, prompt: str) -> list[int]:
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("r", sampling, time.time() + 3600, prompt=prompt))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+    return tokens
+
+
+def test_an_fp16_model_on_a_cpu_decodes_on_the_torch_path(tiny_model_dir: Path) -> None:
+    """The kernel reads float32 and bfloat16 pools only: an fp16 engine on a CPU took it by
+    default and failed its first decode step ("paged_decode supports float32 and bfloat16"),
+    and with it every request it held. Asked for by name, it is refused at start instead."""
+    options = {"dtype": "fp16", "device": "cpu", "num_blocks": 64}
+    engine = create(str(tiny_model_dir), **options)
+    expected = _greedy_tokens(create(str(tiny_model_dir), decode_kernel="torch", **options), "the risk score")
+    assert _greedy_tokens(engine, "the risk score") == expected and len(expected) == 4
+    with pytest.raises(ValueError, match="float16"):
+        create(str(tiny_model_dir), decode_kernel="native", **options)
