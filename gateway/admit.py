@@ -56,7 +56,7 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
             if turn is None or state.holds.first(turn) or pause <= 0:
                 decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
                                       max_tokens=max_tokens, signals=state.directory.signals(), now=now,
-                                      model=parsed.model, deadline=deadline if cls == "batch" else None,
+                                      model=parsed.model, deadline=deadline,
                                       sent_at=sent_at, behind_held=turn is None and bool(state.holds))
                 if decision.outcome != "wait":
                     state.metrics.decided(cls, decision.outcome, decision.reason)

@@ -114,7 +114,8 @@ class AdmissionController:
         from Redis, the live heartbeats); ``max_tokens=None`` is costed at the pool's learned
         mean output. A held-back batch request is asked about again with its ``deadline`` and
         when it was first asked (``sent_at``, ``now`` if not given): what it would take on an
-        idle pool is judged against the time it was given, not what holding it has left.
+        idle pool is judged against the time it was given, not what holding it has left. An
+        interactive request's whole answer must end by its ``deadline`` too.
         ``behind_held``: batch requests are held back already; one that would go to a pool they
         wait for waits behind them ("behind-held") rather than going first."""
         own = self.cfg.routing.pools[cls]
@@ -127,6 +128,8 @@ class AdmissionController:
                          self.prompts)
             if route is None:
                 return self._unavailable(own, signals, now)
+            if deadline is not None and now + route.prediction.wait_s + route.prediction.hold_s > deadline:
+                return self._past_deadline(route, deadline, now if sent_at is None else sent_at)
             return self._interactive(route, budget, stream, now)
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline,
                            now if sent_at is None else sent_at, behind_held)
@@ -136,6 +139,16 @@ class AdmissionController:
         if book is None:
             book = self.prompts[pool] = PromptBook()
         return book
+
+    def _past_deadline(self, route: Route, deadline: float, sent_at: float) -> Decision:
+        """An interactive request whose own deadline (the client's timeout) comes before its
+        whole answer would: admitted, it ran into a 504 at the deadline, its engine time spent
+        for nothing. Sent again once the queue ahead has gone it fits, unless its answer alone
+        takes longer than the time it was given."""
+        pred = route.prediction
+        retry = 0.0 if pred.hold_s > deadline - sent_at else self._clamp_retry(pred.wait_s)
+        return Decision("shed", "cannot-meet-deadline", 429, retry, pred.wait_s + pred.hold_s, route.pool,
+                        route.worker)
 
     def _interactive(self, route: Route, budget: float, stream: bool, now: float) -> Decision:
         pred = route.prediction

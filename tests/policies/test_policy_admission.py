@@ -181,6 +181,21 @@ def test_a_held_batch_request_is_held_to_its_deadline_not_told_never_to_retry() 
     assert ask(ctl, busy, cls="batch", max_tokens=100, now=30.0, deadline=30.0, sent_at=0.0).outcome == "expired"
 
 
+def test_an_interactive_request_whose_own_deadline_comes_first_is_shed_not_run_into_a_504() -> None:
+    """A client's timeout (``x-slogate-timeout``) below the predicted answer: it was admitted,
+    ran, and ended in a 504 at its deadline, its engine time spent for nothing."""
+    ctl = AdmissionController(CFG)
+    idle = signals(i_running=0)
+    for stream in (False, True):
+        d = ask(ctl, idle, stream=stream, now=100.0, deadline=100.05)
+        assert (d.outcome, d.reason, d.status) == ("shed", "cannot-meet-deadline", 429), stream
+        assert d.retry_after_s == 0.0, "it misses on an idle pool: retrying will not help"
+        assert ask(ctl, idle, stream=stream, now=100.0, deadline=101.0).admitted
+    d = ask(ctl, signals(i_depth=2, i_running=8), now=100.0, deadline=100.1, sent_at=100.0)
+    assert (d.outcome, d.reason) == ("shed", "cannot-meet-deadline")
+    assert d.retry_after_s > 0, "it fits once the queue ahead has gone"
+
+
 def test_deadlines_per_class() -> None:
     assert deadline_for("interactive", 10.0, CFG) == 40.0
     assert deadline_for("batch", 10.0, CFG) == 3610.0
