@@ -8,6 +8,7 @@ the same tokens, as greedy decoding on a real engine would.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import zlib
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import EngineLoad, EngineRequest, Send, StepOutput
-from slogate.protocol import TokenLogprob
+from slogate.protocol import TokenLogprob, fit_to_context
 
 WORDS = (
     "risk low medium high review score clear flag hold approve decline pattern velocity "
@@ -103,6 +104,7 @@ class SimEngine:
 
     def add_request(self, request: EngineRequest) -> None:
         n = count_prompt_tokens(request.prompt, request.messages, self.timing.chars_per_token)
+        request = dataclasses.replace(request, sampling=fit_to_context(request.sampling, n, self.max_context))
         total = n + request.sampling.max_tokens
         if total > self.timing.max_context:
             self._errors.append(StepOutput(

@@ -271,7 +271,7 @@ def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Call
         served = ", ".join(sorted(m for m in view.models if not caller.models or m in caller.models)) or "none"
         raise APIError(404, f"model '{parsed.model}' is not served here (served: {served})",
                        "model", "model_not_found")
-    if parsed.sampling.max_tokens >= model.max_context:
+    if parsed.max_tokens_given and parsed.sampling.max_tokens >= model.max_context:
         raise bad_request(f"{parsed.max_tokens_param} ({parsed.sampling.max_tokens}) must be below the model's "
                           f"context length ({model.max_context})", parsed.max_tokens_param, "context_length_exceeded")
 

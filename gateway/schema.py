@@ -280,7 +280,8 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
                           "cut the JSON short; it ends by itself when complete",
                           "stop" if stops else "stop_token_ids", "unsupported_value")
     sampling = SamplingParams(
-        max_tokens=max_tokens or default_max_tokens, temperature=temperature, top_p=top_p,
+        max_tokens=max_tokens or default_max_tokens, max_tokens_default=max_tokens is None,
+        temperature=temperature, top_p=top_p,
         top_k=max(raw.top_k or 0, 0), seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
         frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias),

@@ -43,6 +43,10 @@ GREEDY_BELOW = 1e-5
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_tokens: int = 16
+    max_tokens_default: bool = False
+    """``max_tokens`` is the gateway's default, not the client's: a cap, which a prompt that
+    leaves less room in the context lowers to what it leaves (:func:`fit_to_context`), where a
+    ``max_tokens`` the client asked for is refused with a 400."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -65,6 +69,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def deterministic(self) -> bool:
         """Whether a rerun reproduces the same tokens (what makes a retry invisible)."""
         return self.temperature < GREEDY_BELOW or self.seed is not None
+
+
+def fit_to_context(sampling: SamplingParams, prompt_tokens: int, max_context: int) -> SamplingParams:
+    """``sampling`` with a default ``max_tokens`` lowered to what the context leaves after the
+    prompt (at least ``min_tokens``, or it stays, for the engine to refuse): a client that set
+    no limit must not be refused for a limit it never asked for."""
+    room = max_context - prompt_tokens
+    if not sampling.max_tokens_default or sampling.max_tokens <= room or room < max(1, sampling.min_tokens):
+        return sampling
+    return msgspec.structs.replace(sampling, max_tokens=room)
 
 
 class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):

@@ -42,6 +42,12 @@ def test_prompt_beyond_context_is_an_error_output() -> None:
     assert outs[0].error and outs[0].error_status == 400 and "context" in outs[0].error
 
 
+def test_a_default_max_tokens_is_lowered_to_the_room_the_prompt_leaves() -> None:
+    engine = create(max_context=10, chars_per_token=1, decode_base_s=0)
+    outs = run(engine, req("x", prompt="y" * 8, max_tokens=5, max_tokens_default=True))["x"]
+    assert not outs[-1].error and (outs[-1].finish_reason, outs[-1].completion_tokens) == ("length", 2)
+
+
 def test_abort_frees_the_request() -> None:
     engine = create(decode_base_s=0)
     engine.add_request(req("x", max_tokens=100))

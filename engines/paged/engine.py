@@ -30,7 +30,7 @@ from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample, token_logprobs
 from engines.runtime.token_pieces import TokenPieces
 from slogate import json_output
-from slogate.protocol import TokenLogprob
+from slogate.protocol import TokenLogprob, fit_to_context
 
 _SMOOTHING = 0.2
 """Weight of the newest step in the moving averages that ``load`` reports."""
@@ -124,6 +124,8 @@ class PagedEngine:
                 self._pending.append(_error(request.id, f"'{name}' holds {beyond[0]}, beyond this model's "
                                                         f"vocabulary (token ids 0 to {vocab - 1})", param=name))
                 return
+        request = dataclasses.replace(request, sampling=fit_to_context(request.sampling, len(prompt_ids),
+                                                                         self.max_context))
         seq = Sequence(request.id, list(prompt_ids), request.sampling, request.deadline)
         reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
         if reason:

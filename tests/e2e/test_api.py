@@ -124,6 +124,21 @@ async def test_stop_string_is_honoured(stack: Stack) -> None:
     assert body["choices"][0]["text"] == cut[:cut.index(stop)]
 
 
+async def test_without_max_tokens_a_prompt_near_the_context_gets_what_room_is_left(stack: Stack) -> None:
+    """The default max_tokens (256) is a cap, not a demand: a prompt of 8,000 of the sim's
+    8,192 tokens that sets no limit gets the 192 left, where one that asks for 256 is refused."""
+    body = {"model": MODEL, "prompt": "x" * 32_000}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(stack.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            fitted = await r.json()
+        async with s.post(stack.url + "/v1/completions", json={**body, "max_tokens": 256}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "context_length_exceeded"
+    assert fitted["usage"] == {"prompt_tokens": 8000, "completion_tokens": 192, "total_tokens": 8192}
+    assert fitted["choices"][0]["finish_reason"] == "length"
+
+
 def test_openai_sdk_chat_and_completions(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
     models = [m.id for m in client.models.list()]

@@ -229,6 +229,16 @@ def test_requests_that_can_never_fit_get_a_400(make_engine: MakeEngine) -> None:
     assert any(o.request_id == "ok" and o.finish_reason for o in outputs)
 
 
+def test_a_default_max_tokens_is_lowered_to_the_room_the_prompt_leaves(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    room = 3
+    prompt_ids = [(7 * i) % 500 + 10 for i in range(engine.max_context - room)]
+    sampling = SamplingParams(max_tokens=16, max_tokens_default=True, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("fit", sampling, time.time() + 3600, prompt="", prompt_ids=prompt_ids))
+    (last,) = [o for o in _drain(engine) if o.finish_reason]
+    assert not last.error and (last.finish_reason, last.completion_tokens) == ("length", room)
+
+
 def test_a_stop_token_beyond_the_vocabulary_fails_only_its_own_request(make_engine: MakeEngine) -> None:
     """Sampling bans stop tokens by id until min_tokens: an id past the logits failed the step,
     and with it every request the engine held."""
