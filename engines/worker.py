@@ -482,7 +482,8 @@ class Worker:
                 self._write(job, Final(
                     out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
                     queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
-                    ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at)))
+                    ttft_s=max(0.0, (job.first_token_at or now) - job.req.enqueued_at),
+                    offset=job.offset, token_offset=job.logprobs_sent))
             done.append(job.entry_id)
             del self.inflight[out.request_id]
         if generated > 0:

@@ -16,7 +16,7 @@ from slogate.protocol import Delta, Error, Final, Result, TokenLogprob
 
 class SplicedOutput(Exception):
     """A retry would contradict text the client already has (``worker_failed``), or text is
-    missing before a delta (``result_lost``: on its way through Redis, no worker's doing)."""
+    missing before a delta or at the end (``result_lost``: on its way through Redis, no worker's doing)."""
 
     def __init__(self, message: str, code: str = "worker_failed") -> None:
         super().__init__(message)
@@ -44,12 +44,14 @@ class Relay:
             return None
         if rec.attempt > self.attempt:
             self._new_attempt(rec)
-        if not isinstance(rec, Delta):
+        if isinstance(rec, Error):
             return None
         if rec.offset > len(self.text) or rec.token_offset > self.tokens:
             raise SplicedOutput(f"part of the answer was lost on its way from the worker (text from character "
                                 f"{rec.offset} arrived after {len(self.text)}, log-probabilities from token "
                                 f"{rec.token_offset} after {self.tokens})", "result_lost")
+        if isinstance(rec, Final):
+            return None
         new = rec.text[len(self.text) - rec.offset:]
         self.fresh = rec.logprobs[self.tokens - rec.token_offset:]
         if not new and not self.fresh:

@@ -140,6 +140,11 @@ class Final(msgspec.Struct, tag="final", omit_defaults=True):
     attempt: int = 1
     queue_wait_s: float = 0.0
     ttft_s: float = 0.0
+    offset: int = 0
+    """Where the completion's text ends, as a delta's ``offset`` says where its text starts:
+    a text record lost before a final record that carries no text of its own shows by it."""
+    token_offset: int = 0
+    """Where its log-probabilities end, likewise."""
     v: int = VERSION
 
 

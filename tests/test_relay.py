@@ -51,6 +51,15 @@ def test_a_delta_after_a_gap_is_never_joined_to_the_text_before_it() -> None:
     assert relay.text == "abc"
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_final_record_after_lost_text_is_never_an_answer_that_ends_short(streamed: bool) -> None:
+    relay = Relay(streamed=streamed, deterministic=True)
+    feed(relay, Delta("abc", 0))
+    with pytest.raises(SplicedOutput, match="lost"):
+        relay.accept(Final("stop", 1, 3, offset=5))
+    assert relay.accept(Final("stop", 1, 2, offset=3)) is None
+
+
 def lp(token: str) -> TokenLogprob:
     return TokenLogprob(token, token.encode(), -1.0)
 

@@ -161,6 +161,45 @@ async def test_a_record_lost_between_worker_and_gateway_ends_the_stream_with_an_
     assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
 
 
+def _records(client: redis.Redis, reply: bytes) -> list[tuple[bytes, protocol.Result]]:
+    """The reply stream's entries, each with the last record it holds (encryption is off)."""
+    return [(entry_id, protocol.decode_result(protocol.decode_batch(fields[protocol.BATCH_FIELD])[-1][1]))
+            for entry_id, fields in client.xrange(reply, "-", "+")]
+
+
+async def test_the_last_text_record_lost_before_a_final_record_of_its_own_is_an_error(slow_stack: Stack) -> None:
+    """A stop string that starts a step's text ends the answer with a final record and no text
+    of its own: the text record before it lost on the way (deleted while the gateway is stopped)
+    is a 502 in the stream, not an answer that ends short with ``finish_reason: stop``."""
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    gateway = slow_stack.procs[0]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_stack.url + "/v1/chat/completions", json=body(40, prompt="lost at the end")) as r:
+            words = (await r.json())["choices"][0]["message"]["content"].split()
+        # well after the gateway is stopped, and the first time the word comes
+        stop = " " + next(w for i, w in enumerate(words) if i >= 25 and w not in words[:i])
+        async with s.post(slow_stack.url + "/v1/chat/completions",
+                          json={**body(40, stream=True, prompt="lost at the end"), "stop": stop}) as r:
+            assert r.status == 200
+            first = await r.content.readline()
+            os.kill(gateway.pid, signal.SIGSTOP)
+            try:
+                [reply] = [k for k in client.scan_iter("slogate:r:*")
+                           if client.exists(k.replace(b"slogate:r:", b"slogate:alive:"))]
+                wait_for(lambda: isinstance(_records(client, reply)[-1][1], protocol.Final), 5, "the final record")
+                *_, (lost, text), (_, final) = _records(client, reply)
+                assert isinstance(text, protocol.Delta) and text.text and final.finish_reason == "stop"
+                client.xdel(reply, lost)
+            finally:
+                os.kill(gateway.pid, signal.SIGCONT)
+            events = await sse_events(r)
+    client.close()
+    assert first.startswith(b"data: ")
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "result_lost"
+    assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+
+
 def _holder_pid(client: redis.Redis, pool: str) -> int:
     pending = client.xpending_range(f"slogate:q:{pool}", "workers", "-", "+", 10)
     assert len(pending) == 1
