@@ -121,18 +121,30 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
     return APIError(exc.status, exc.reason or "request failed", None, None)
 
 
-async def list_models(request: web.Request) -> web.Response:
+def _models(request: web.Request) -> list[dict[str, object]]:
     """Behind the same key check as completions, and only the models the key may use: which
     models a deployment serves is not for anyone who reaches the port."""
     state = request.app[STATE]
     caller = state.keys.authenticate(request.headers.get("Authorization"))
     view = state.directory.view
     created = int(state.started_at)
-    data = [{"id": m.id, "object": "model", "created": created, "owned_by": "slogate",
+    return [{"id": m.id, "object": "model", "created": created, "owned_by": "slogate",
              "max_model_len": m.max_context, "pools": view.pools_serving(m.id)}
             for m in sorted(view.models.values(), key=lambda m: m.id)
             if not caller.models or m.id in caller.models]
-    return web.json_response({"object": "list", "data": data}, dumps=lambda o: _json.encode(o).decode())
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": _models(request)}, dumps=lambda o: _json.encode(o).decode())
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """The SDKs' ``models.retrieve``. A hub id holds a slash, which the SDKs send unescaped."""
+    wanted = request.match_info["model"]
+    found = next((m for m in _models(request) if m["id"] == wanted), None)
+    if found is None:
+        raise APIError(404, f"model '{wanted}' is not served here", "model", "model_not_found")
+    return web.json_response(found, dumps=lambda o: _json.encode(o).decode())
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -188,6 +200,7 @@ def make_app(cfg: Config) -> web.Application:
     app.router.add_post("/v1/chat/completions", completions.chat)
     app.router.add_post("/v1/completions", completions.completions)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

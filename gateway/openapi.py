@@ -82,9 +82,10 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
             "choices": {"type": "array", "items": _obj({**choice, "logprobs": _nullable(completion_logprobs),
                                                          "text": _STR})},
             "usage": {"$ref": _REF.format(name="Usage")}}),
-        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj(
-            {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
-            {"max_model_len": _INT, "pools": {"type": "array", "items": _STR}})}}),
+        "Model": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
+                      {"max_model_len": _INT, "pools": {"type": "array", "items": _STR}}),
+        "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array",
+                                                                  "items": {"$ref": _REF.format(name="Model")}}}),
         "Health": _obj({"status": _STR}),
         "Readiness": _obj({"status": {"enum": ["ok", "unavailable"]}, "reason": _STR}),
     }
@@ -126,9 +127,12 @@ def _completion_op(summary: str, op_id: str, body: str, result: str,
 
 
 def _get_op(summary: str, op_id: str, content: dict[str, Any], secured: bool = False,
-            **extra: Any) -> dict[str, Any]:
-    op = {"summary": summary, "operationId": op_id, "responses": {
+            parameters: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    """``extra``: more responses, by status."""
+    op: dict[str, Any] = {"summary": summary, "operationId": op_id, "responses": {
         "200": {"description": summary, "content": content}, **extra}}
+    if parameters:
+        op["parameters"] = parameters
     if secured:
         op["security"] = [{}, {"bearer": []}]
         op["responses"]["401"] = {"$ref": "#/components/responses/Error401"}
@@ -156,6 +160,11 @@ def openapi_document(example_model: str = "tiny") -> dict[str, Any]:
                                               "CompletionBody", "Completion", completion_example),
             "/v1/models": _get_op("Models that live workers serve (those the API key may use)", "listModels",
                                   _json("ModelList"), secured=True),
+            "/v1/models/{model}": _get_op("One model that live workers serve (if the API key may use it)",
+                                          "retrieveModel", _json("Model"), secured=True,
+                                          parameters=[{"name": "model", "in": "path", "required": True,
+                                                       "schema": _STR}],
+                                          **{"404": {"$ref": "#/components/responses/Error404"}}),
             "/healthz": _get_op("The process is alive", "healthz", _json("Health")),
             "/readyz": _get_op("Redis answers and every configured pool has a live worker", "readyz",
                                _json("Readiness"), **{"503": {"description": "Not ready; `reason` says why.",

@@ -143,6 +143,10 @@ def test_openai_sdk_chat_and_completions(stack: Stack) -> None:
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused")
     models = [m.id for m in client.models.list()]
     assert MODEL in models
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/no-such-model")
+    assert missing.value.body["code"] == "model_not_found" and "org/no-such-model" in missing.value.message
     chat = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=5)
     assert chat.choices[0].finish_reason == "length"
     assert chat.usage is not None and chat.usage.completion_tokens == 5
