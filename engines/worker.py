@@ -11,6 +11,7 @@ never mistaken for an orphan.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from prometheus_client import start_http_server
 from redis.exceptions import RedisError, ResponseError
 
 from engines.base import LONG_PROMPT_CHARS, Engine, EngineRequest, StepOutput
-from engines.engine_process import EngineProcess
+from engines.engine_process import EngineDied, EngineProcess
 from engines.engine_thread import EngineThread
 from engines.metrics import WorkerMetrics
 from engines.stepping import Step
@@ -40,6 +41,10 @@ from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, Mo
 from slogate.tasks import cancel_and_wait
 
 log = logging.getLogger("slogate.worker")
+
+SEND_ON_DEATH_S = 5.0
+"""How long a worker whose engine died keeps trying to send what it reported (Redis may be
+slow or away); what is not sent by then stays pending, for another worker to run again."""
 
 
 @dataclass
@@ -327,6 +332,14 @@ class Worker:
             done.set_result(None)
             self._send_wake.set()
             await sender
+        except EngineDied:
+            # What the engine reported before it died goes out first: cut off, its finished
+            # requests would run again elsewhere, and a sampled stream could not resume.
+            done.set_result(None)
+            self._send_wake.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(sender), SEND_ON_DEATH_S)
+            raise
         finally:
             await cancel_and_wait([sender, finisher])
             self.engine.close(1.0)

@@ -4,12 +4,13 @@ engine steps on a thread of the worker or in a process of its own."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
 import redis.asyncio as aioredis
 
-from engines.engine_process import EngineProcess
+from engines.engine_process import EngineDied, EngineProcess
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
@@ -69,4 +70,49 @@ async def test_engine_failure_fails_held_requests_then_recovers(redis_url: str, 
     finally:
         worker.stop()
         await asyncio.wait_for(task, 5)
+        await client.aclose()
+
+
+class DyingEngine:
+    """The sim engine, except that its process exits right after the step that finishes a
+    request has been reported (a segfault, the OOM killer)."""
+
+    def __init__(self) -> None:
+        self.inner = create(decode_base_s=0.05)
+        self.name, self.model_id, self.max_context = "dying", "m", 8192
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self, arrivals=None, send=None):
+        outputs = self.inner.step(arrivals, send)
+        if any(o.finish_reason for o in outputs):
+            send(outputs)
+            os._exit(3)
+        return outputs
+
+
+async def test_what_an_engine_reported_before_it_died_still_reaches_the_gateway(redis_url: str) -> None:
+    """The worker ends with its engine, but the records of the steps the engine finished go
+    out first: cut off, a finished request would run again elsewhere, and a sampled stream
+    could not resume. Redis pauses writes while they wait, so they are queued, not yet sent,
+    when the engine dies."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(EngineProcess(DyingEngine), client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", stream=True, reply=REPLIES,
+                              sampling=SamplingParams(max_tokens=4), deadline=time.time() + 30,
+                              enqueued_at=time.time(), prompt="hello")
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        while not await client.xlen(REPLIES):  # the first token is out
+            await asyncio.sleep(0.005)
+        await client.execute_command("CLIENT", "PAUSE", 1000, "WRITE")
+        with pytest.raises(EngineDied):
+            await asyncio.wait_for(task, 10)
+        records = await results(client, "r")
+        assert isinstance(records[-1], Final) and records[-1].completion_tokens == 4
+        assert (await client.xpending(keys.queue("p"), keys.GROUP))["pending"] == 0, "acknowledged"
+    finally:
+        await client.execute_command("CLIENT", "UNPAUSE")
         await client.aclose()
