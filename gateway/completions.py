@@ -437,8 +437,22 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
             raise
         out.append(shapes.sse_error(err.body()))
     out.append(shapes.DONE)
-    await resp.write_eof(b"".join(out))
+    await _end(request, resp, b"".join(out), job.state.cfg.client_timeout_s)
     return resp
+
+
+async def _end(request: web.Request, resp: web.StreamResponse, data: bytes, timeout_s: float) -> None:
+    """Send the stream's last frames, which a client that stopped reading with its connection
+    open never takes: past ``timeout_s`` its connection is cut, as a client that left. Its
+    deadline no longer bounds this write, and the handler, with its subscription, stream slot
+    and place in the in-flight counts, would otherwise wait for it for good."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await resp.write_eof(data)
+    except TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"the client took nothing of the answer's end in {timeout_s:g} s") from None
 
 
 NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "result_lost", "no_live_worker", "shutting_down"})

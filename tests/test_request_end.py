@@ -153,6 +153,32 @@ async def test_a_write_the_deadline_cuts_short_is_not_sent_again() -> None:
     assert sent.count(b'"content":"slow"') == 1 and b"deadline_exceeded" in sent
 
 
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+async def test_a_client_that_takes_none_of_the_answers_end_is_cut_off() -> None:
+    """The last write's drain never comes (a client that stopped reading, its connection
+    open): the handler, and the subscription, slots and counts it holds, waited for it for
+    good, long past the request's deadline."""
+    from gateway.completions import _stream
+    from gateway.results import Subscription
+    from slogate.protocol import Delta
+
+    class StuckClient(_Writes):
+        async def write_eof(self, data: bytes = b"") -> None:
+            await super().write_eof(data)
+            await asyncio.Event().wait()
+
+    sub = Subscription("r", keep_alive=True)
+    for rec in (Delta("done", 0), Final("stop", 3, 1)):
+        sub.records.put_nowait(rec)
+    sub.arrived.set()
+    job = _stream_job(sub)
+    job.state.cfg.client_timeout_s = 0.2
+    request = _http_request(StuckClient())
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(_stream(request, job), 10)
+    request.transport.abort.assert_called_once()
+
+
 def test_the_gateways_own_error_leaves_the_request_to_be_cancelled_on_the_worker() -> None:
     """A record the gateway could not read, or its own lost reader, ends the answer, but the
     worker is still generating it: only a worker's own last record spares the cancel."""
@@ -195,7 +221,7 @@ def _stream_job(sub: object = None, include_usage: bool = False) -> _Job:
                           deadline=now + 30, enqueued_at=now, reply="x", stream=True)
     parsed = ParsedRequest(kind="chat", model="m", stream=True, include_usage=include_usage, sampling=SamplingParams(),
                            max_tokens_given=True, messages=[{"role": "user", "content": "x"}])
-    return _Job(SimpleNamespace(), parsed, gen, sub, now, {})
+    return _Job(SimpleNamespace(cfg=SimpleNamespace(client_timeout_s=30.0)), parsed, gen, sub, now, {})
 
 
 def _http_request(writer: object = None):
