@@ -98,6 +98,38 @@ async def test_a_worker_whose_heartbeat_lapsed_does_not_keep_running_what_anothe
         await client.aclose()
 
 
+async def test_a_gateway_whose_key_a_restart_lost_for_less_than_its_renewal_is_not_taken_for_gone(
+        redis_url: str) -> None:
+    """Redis restarted empty: the gateway's alive key is gone until its next renewal, up to a
+    second later. A worker beating every 0.1 s saw it missing at two checks 0.1 s apart and
+    stopped every request of a live gateway, whose clients then waited for their deadlines."""
+    client = aioredis.Redis.from_url(redis_url)
+    alive = keys.alive("test-gateway")
+    await client.set(alive, b"1")
+    worker = Worker(create(decode_base_s=0.02), client, WorkerSettings(pool="p", heartbeat_interval_s=0.1))
+    running = asyncio.create_task(worker.run())
+    try:
+        req = request("r", 1000)
+        req.alive = alive
+        await enqueue(client, req)
+        while "r" not in worker.inflight:
+            await asyncio.sleep(0.01)
+        await client.delete(alive)  # the restart
+        await asyncio.sleep(0.6)
+        await client.set(alive, b"1")  # the gateway's renewal
+        await asyncio.sleep(0.5)
+        assert "r" in worker.inflight, "a live gateway's request was stopped"
+        await client.delete(alive)  # the gateway dies
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if "r" not in worker.inflight:
+                break
+        assert "r" not in worker.inflight, "a gone gateway's request is stopped"
+    finally:
+        await cancel_and_wait([running])
+        await client.aclose()
+
+
 async def test_records_redis_lost_on_the_way_do_not_trip_the_pools_breaker() -> None:
     """A record that never reaches the gateway (a Redis that restarted or failed over) ends its
     request with a 502, but says nothing of the pool: one blip that catches a few streams must
