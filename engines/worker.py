@@ -182,13 +182,11 @@ class Worker:
             try:
                 resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
                                                    count=room, block=500)
-            except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                log.warning("%s lost its consumer group (Redis restarted empty?); recreating it", self.queue)
-                await self._ensure_group()
-                continue
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError) as exc:  # error replies included: a failover's READONLY, a full disk's MISCONF
+                if "NOGROUP" in str(exc):
+                    log.warning("%s lost its consumer group (Redis restarted empty?); recreating it", self.queue)
+                    await self._ensure_group()
+                    continue
                 log.warning("reading %s failed (%s); retrying", self.queue, exc)
                 await asyncio.sleep(0.5)
                 continue

@@ -16,7 +16,7 @@ from engines.engine_process import EngineDied
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
-from slogate.local_redis import LocalRedis
+from slogate.local_redis import LocalRedis, free_port
 from slogate.protocol import Delta, Final, GenerateRequest, SamplingParams
 from slogate.tasks import cancel_and_wait
 
@@ -227,6 +227,38 @@ async def test_a_finished_request_whose_records_wait_for_redis_is_not_run_again(
         finals = [r for r in records if isinstance(r, Final)]
         ends = [(type(r).__name__, r.attempt) for r in records if not isinstance(r, Delta)]
         assert len(finals) == 1, ends
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
+
+
+async def test_a_worker_refused_by_a_redis_that_cannot_take_writes_takes_new_work_once_it_can(
+        own_redis: LocalRedis) -> None:
+    """A Redis turned replica (a failover: READONLY) or unable to persist (MISCONF) refuses the
+    intake's read with an error reply: the intake ended there, and the worker went on beating,
+    with capacity, and never read its queue again."""
+    client = aioredis.Redis.from_url(own_redis.url)
+    worker = Worker(create(decode_base_s=0), client, WorkerSettings(pool="p", heartbeat_interval_s=0.1))
+    task = asyncio.create_task(worker.run())
+    req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=3),
+                          deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt="hello")
+    try:
+        while not await client.exists(keys.heartbeat("p", worker.s.worker_id)):
+            await asyncio.sleep(0.01)
+        await client.replicaof("127.0.0.1", free_port())  # a master that is not there: read-only
+        try:
+            await asyncio.sleep(1.0)
+        finally:
+            await client.replicaof("NO", "ONE")
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        for _ in range(100):
+            if await client.exists(REPLIES):
+                break
+            await asyncio.sleep(0.05)
+        assert not task.done(), task
+        records = [protocol.decode_result(payload) for _, f in await client.xrange(REPLIES)
+                   for _, payload in protocol.decode_batch(f[protocol.BATCH_FIELD])]
+        assert records and isinstance(records[-1], Final), "the request queued after the outage is served"
     finally:
         await cancel_and_wait([task])
         await client.aclose()
