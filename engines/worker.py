@@ -378,7 +378,8 @@ class Worker:
 
     def _drop(self, jobs: list[_InFlight], error: Error | None = None) -> None:
         """Settle requests stopped early: acknowledged, and told ``error`` when their gateway
-        still waits (a deadline, an engine failure); a cancel needs no answer. Written with
+        still waits or may (a deadline, an engine failure, a gateway taken for gone); a cancel
+        needs no answer. Written with
         the step records, after those already queued for the same requests."""
         now = time.time()
         for job in jobs:
@@ -567,7 +568,7 @@ class Worker:
                 jobs = [job for rid, held in list(self.inflight.items())
                         if held.req.alive in gone and (job := self._abort(rid)) is not None]
                 log.warning("stopped %d request(s) whose gateway is gone", len(jobs))
-                self._drop(jobs)
+                self._drop(jobs, GATEWAY_GONE)
 
     def heartbeat(self) -> Heartbeat:
         load = self.engine.load()
@@ -736,6 +737,11 @@ model, 16 streams through the gateway, two runs each: TTFT P99 32 and 52 ms agai
 GATEWAY_GONE_AFTER_S = 1.0
 """How long a gateway's ``alive`` key must stay missing before its requests are stopped: a
 live gateway renews it about once a second, and at once when Redis is back after an outage."""
+GATEWAY_GONE = Error("the workers took this gateway for gone and stopped the request: its liveness key in Redis "
+                     "lapsed (Redis refused writes for seconds, or the gateway stalled); retry it", "gateway_gone", 503)
+"""What a request stopped for its gateway's lapsed key is told: nobody reads it if the gateway is
+gone, but one that lives (its renewals refused by a Redis out of memory) would otherwise wait for
+the request's deadline, an hour for batch."""
 
 
 def _queue_gone(exc: Exception) -> bool:

@@ -455,11 +455,12 @@ async def _end(request: web.Request, resp: web.StreamResponse, data: bytes, time
         raise ConnectionResetError(f"the client took nothing of the answer's end in {timeout_s:g} s") from None
 
 
-NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "result_lost", "no_live_worker", "shutting_down"})
+NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "result_lost", "no_live_worker", "shutting_down",
+                                 "gateway_gone"})
 """Failures that say nothing of how the pool serves, so its breaker does not count them: a pool
 left without workers (its breaker would then refuse the batch that may queue for a restarted
-worker, and keep probing for minutes once one is back), Redis (down, or records lost on their
-way), this gateway's drain."""
+worker, and keep probing for minutes once one is back), Redis (down, records lost on their
+way, or this gateway's liveness key lapsing in it), this gateway's drain."""
 
 
 def _observe(job: _Job) -> None:

@@ -230,3 +230,31 @@ async def test_a_redis_outage_does_not_show_clients_where_redis_is(own_redis: Lo
     for status, text in answers:
         assert status == 503 and "Redis" in text, text
         assert where not in text and "connecting to" not in text, text
+
+
+async def test_a_request_stopped_while_redis_refused_the_gateways_renewals_is_answered(own_redis: LocalRedis) -> None:
+    """Redis out of memory for 8 s refuses every write, the gateway's alive key's renewals
+    included: the key lapses and the workers stop the gateway's requests, as a dead gateway's.
+    But the gateway lives, and its client waited for the request's deadline."""
+    stack = stack_on(own_redis, decode_base_s=0.02)
+    client = redis.Redis.from_url(own_redis.url)
+
+    async def ask() -> tuple[int, str]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            async with s.post(stack.url + "/v1/chat/completions", json={**SCORE, "max_tokens": 1500},
+                              headers={"x-slogate-timeout": "40"}) as r:  # 30 s of decode
+                return r.status, await r.text()
+
+    try:
+        in_flight = asyncio.create_task(ask())
+        await asyncio.sleep(0.5)
+        client.config_set("maxmemory", 1)
+        try:
+            await asyncio.sleep(8.0)
+        finally:
+            client.config_set("maxmemory", 0)
+        status, text = await in_flight
+        assert status == 503 and "deadline" not in text, (status, text)
+    finally:
+        stack.stop()
+        client.close()
