@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -258,3 +259,22 @@ async def test_a_request_stopped_while_redis_refused_the_gateways_renewals_is_an
     finally:
         stack.stop()
         client.close()
+
+
+def test_a_gateway_told_to_stop_while_redis_hangs_exits(own_redis: LocalRedis) -> None:
+    """Redis frozen (SIGSTOP: a hung host, a stalled VM), nothing in flight: the last clean-up
+    went through the result reader's connection, which has no read timeout, and over the Unix
+    socket nothing ever broke it: the gateway never exited."""
+    stack = stack_on(own_redis)
+    gateway = stack.procs[0]
+    try:
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        time.sleep(0.5)
+        gateway.send_signal(signal.SIGTERM)
+        try:
+            gateway.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the gateway did not exit within 30 s of SIGTERM") from None
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+        stack.stop()
