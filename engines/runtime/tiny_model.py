@@ -10,6 +10,7 @@ what makes incremental detokenization worth testing.
 from __future__ import annotations
 
 import random
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,4 +150,14 @@ def build_tiny_model(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> 
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _readable_as_config(out)
     return out
+
+
+def _readable_as_config(out: Path) -> None:
+    """safetensors (0.8 on) writes through a temporary file created 0600, whatever the umask:
+    a model built by one user (compose's ``model`` service, as root) would be unreadable to
+    another (the workers). The weights get the mode the umask gave ``config.json``."""
+    mode = stat.S_IMODE((out / "config.json").stat().st_mode)
+    for weights in out.glob("*.safetensors"):
+        weights.chmod(mode)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,14 @@ def test_build_is_deterministic(tmp_path: Path, tiny_model_dir: Path):
     again = build_tiny_model(tmp_path / "again")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes()
+
+
+def test_every_file_of_the_built_model_is_as_readable_as_its_config(tiny_model_dir: Path):
+    """safetensors writes its file 0600 whatever the umask: compose's model service builds as
+    root, and the workers, another user, could not read the weights."""
+    config_mode = stat.S_IMODE((tiny_model_dir / "config.json").stat().st_mode)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tiny_model_dir.iterdir()}
+    assert modes == dict.fromkeys(modes, config_mode)
 
 
 def test_loads_with_facts_engines_need(tiny_model_dir: Path):
