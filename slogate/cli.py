@@ -56,6 +56,8 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     if args.pool not in cfg.pools and args.engine is None:  # a misspelt pool would serve made-up text
         raise ConfigError(f"--pool: {args.pool!r} is not one of the configured pools ({', '.join(cfg.pools)}); "
                           "configure it, or name its engine with --engine")
+    if not 0 <= args.metrics_port <= 65535:  # found once the model has loaded, as a traceback
+        raise ConfigError(f"--metrics-port: must be 0 (off) to 65535, got {args.metrics_port}")
     from engines.engine_process import EngineDied
     from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
     from engines.worker import run_worker

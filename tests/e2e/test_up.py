@@ -203,10 +203,13 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path: Path) -> None:
         port = str(taken.getsockname()[1])
         gateway = slogate("gateway", "--host", "127.0.0.1", "--port", port)
         worker = slogate("worker", "--pool", "interactive", "--engine", "sim", "--metrics-port", port)
+    beyond = slogate("worker", "--pool", "interactive", "--engine", "sim", "--metrics-port", "70000",
+                     SLOGATE_REDIS_URL="redis://127.0.0.1:1/0")
     unreachable = slogate("audit-export", SLOGATE_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
-    for run, code in ((gateway, 2), (worker, 2), (unreachable, 1)):
+    for run, code in ((gateway, 2), (worker, 2), (beyond, 2), (unreachable, 1)):
         assert run.returncode == code, run.stderr
         assert "Traceback" not in run.stderr
         assert run.stderr.strip().splitlines()[-1].startswith("slogate: ")
     assert "address already in use" in gateway.stderr.lower()
     assert "Redis is unreachable" in unreachable.stderr
+    assert "--metrics-port" in beyond.stderr
