@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from engines.base import EngineLoad, EngineRequest, Send, StepOutput
 from slogate.protocol import TokenLogprob, fit_to_context
 
@@ -189,7 +191,14 @@ class SimEngine:
 
 
 def create(model: str | None = None, **options: Any) -> SimEngine:
-    timing = SimTiming(**{k: options.pop(k) for k in list(options) if hasattr(SimTiming, k)})
-    if options:
-        raise ValueError(f"unknown sim engine options: {', '.join(sorted(options))}")
+    """Options are checked here: one of the wrong type (``-o decode_base_s=4ms``) would fail
+    only in ``load()``, in the worker's heartbeat, leaving a worker nobody sees."""
+    unknown = sorted(k for k in options if not hasattr(SimTiming, k))
+    if unknown:
+        raise ValueError(f"unknown sim engine options: {', '.join(unknown)}")
+    try:
+        timing = msgspec.convert(options, SimTiming)
+    except msgspec.ValidationError as exc:
+        what, _, where = str(exc).rpartition(" - at `$.")
+        raise ValueError(f"sim engine option {where.rstrip('`')}: {what}") from None
     return SimEngine(model_id=model or "slogate-sim", timing=timing)

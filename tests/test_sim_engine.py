@@ -1,5 +1,7 @@
 import time
 
+import pytest
+
 from engines.base import EngineRequest
 from engines.sim import create, stop_cut
 from slogate.protocol import SamplingParams
@@ -74,3 +76,11 @@ def test_json_output_is_refused_as_the_made_up_text_cannot_follow_a_schema() -> 
     (refused,) = outs["json"]
     assert (refused.error_status, refused.error_param) == (400, "response_format")
     assert outs["free"][-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("option", [{"decode_base_s": "4ms"}, {"max_batch": 8.5}])
+def test_an_option_of_the_wrong_type_is_refused_at_start(option: dict) -> None:
+    """``-o decode_base_s=4ms`` built an engine whose load() raised in the worker's heartbeat:
+    the worker ran with no heartbeat, and the stack was never ready, with nothing logged."""
+    with pytest.raises(ValueError, match=next(iter(option))):
+        create(**option)
