@@ -11,6 +11,15 @@ from __future__ import annotations
 import os
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: under a cpuset (``taskset``, a container's
+    ``--cpuset-cpus``) fewer than ``os.cpu_count()``, which counts the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def parse_cpus(spec: str) -> set[int]:
     """``"0,2-3"`` -> ``{0, 2, 3}``: the list format of ``taskset -c`` and cgroups' cpusets."""
     cpus: set[int] = set()

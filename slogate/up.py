@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from slogate.config import Config, unknown_variables
+from slogate.cpus import usable_cpus
 from slogate.local_redis import LocalRedis, free_port
 from slogate.tether import die_with_parent
 
@@ -48,10 +49,10 @@ def _tiny_model(state_dir: Path) -> str:
 
 
 def shared_core_threads(cfg: Config) -> int:
-    """Torch threads per worker when all of ``cfg``'s workers share this machine's cores:
-    threads that outnumber the cores spin-wait on each other and run several times slower
-    (measured on 2 cores)."""
-    return max(1, (os.cpu_count() or 1) // max(1, sum(p.workers for p in cfg.pools.values())))
+    """Torch threads per worker when all of ``cfg``'s workers share the cores this process may
+    run on: threads that outnumber the cores spin-wait on each other and run several times
+    slower (measured on 2 cores)."""
+    return max(1, usable_cpus() // max(1, sum(p.workers for p in cfg.pools.values())))
 
 
 def worker_threads(cfg: Config, requested: int | None = None) -> int:

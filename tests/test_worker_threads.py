@@ -24,10 +24,21 @@ def test_the_environment_slogate_up_sets_is_kept(monkeypatch) -> None:
 
 def test_without_either_the_cores_are_shared_among_the_configs_workers(monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     cfg = load_config(env={})
     workers = sum(p.workers for p in cfg.pools.values())
     assert worker_threads(cfg) == shared_core_threads(cfg) == max(1, 8 // max(1, workers))
+
+
+def test_the_cores_shared_are_those_this_process_may_run_on(monkeypatch) -> None:
+    """Under a cpuset (taskset, a container's --cpuset-cpus) os.cpu_count() still counts the
+    machine's cores: on 8 with 2 allowed, each of two workers took 4 threads for one core."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    cfg = load_config(env={})
+    assert sum(p.workers for p in cfg.pools.values()) == 2
+    assert worker_threads(cfg) == shared_core_threads(cfg) == 1
 
 
 def test_the_worker_command_takes_threads() -> None:
