@@ -21,6 +21,8 @@ WORKLOAD = Path(os.environ.get(
 MODEL = os.environ.get("SLOGATE_MODEL_NAME", "slogate-sim")
 FIRST_TEXT = re.compile(rb'"content":"[^"]')
 """A chunk that carries text: the role chunk before it has empty content."""
+ERROR_EVENT = re.compile(rb'data: (\{"error":.*)')
+"""How a stream that fails after its 200 ends (quotes inside a chunk's text are escaped)."""
 
 
 def _load(path: Path) -> tuple[list[dict], list[dict]]:
@@ -74,11 +76,16 @@ class ReportWriter(HttpUser):
             if resp.status_code != 200:
                 resp.failure(f"{resp.status_code}")
                 return
-            seen = b""
+            seen, tail = b"", b""
             for chunk in resp.iter_content(chunk_size=None):
                 seen = seen[-32:] + chunk  # a match may straddle two chunks
                 if first is None and FIRST_TEXT.search(seen):
                     first = time.perf_counter()
+                tail = (tail + chunk)[-4096:]
+            failed = ERROR_EVENT.search(tail)
+            if failed:  # the report was not written, whatever the status said
+                resp.failure(f"error event: {failed[1][:200].decode(errors='replace')}")
+                return
         if first is not None:
             events.request.fire(request_type="TTFT", name="credit-report",
                                 response_time=(first - start) * 1000, response_length=0,
