@@ -156,6 +156,8 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
         stopping = True
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue  # started under nohup, to outlive its terminal
         signal.signal(sig, on_signal)
     # Their own sessions: a Ctrl-C at the terminal reaches this supervisor, which stops them in
     # order; tethered, they stop when it dies, however it dies.

@@ -127,6 +127,26 @@ def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp
     assert "exported 2 audit entries" in export.stderr
 
 
+def test_up_started_under_nohup_outlives_its_terminal(tmp_path: Path) -> None:
+    """nohup leaves SIGHUP ignored so that a stack outlives the terminal; up's handler for its
+    terminal closing replaced that, and ``nohup slogate up &`` stopped at logout."""
+    port = free_port()
+    nohup = subprocess.Popen([sys.executable, "-m", "slogate.cli", "up", "--engine", "sim", "--port", str(port)],
+                             env=up_env(tmp_path), cwd=tmp_path,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_ready(nohup, port, 60)
+        nohup.send_signal(signal.SIGHUP)
+        time.sleep(1.0)  # up looks every 0.2 s
+        assert nohup.poll() is None, "the terminal closing stopped a stack started under nohup"
+        assert http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200
+        nohup.send_signal(signal.SIGTERM)
+        assert nohup.wait(timeout=60) == 0
+    finally:
+        if nohup.poll() is None:
+            nohup.kill()
+
+
 def test_a_stack_dies_with_up_killed_outright_and_no_second_up_takes_its_place(tmp_path: Path) -> None:
     """Killed outright (SIGKILL: it runs no code), up left its whole stack running as orphans,
     and a second up then said "ready" on the orphaned gateway's answer before failing on its port."""
