@@ -15,7 +15,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -29,14 +29,19 @@ WORDS = (
 ).split()
 
 
+Count = Annotated[int, msgspec.Meta(ge=1)]
+"""No slot (a worker that takes nothing though it looks ready), no context, or no characters
+to a token (every request a division by zero) is refused when the engine is built."""
+
+
 @dataclass
 class SimTiming:
     prefill_s_per_token: float = 0.00005
     decode_base_s: float = 0.004
     decode_s_per_seq: float = 0.0002
-    max_batch: int = 64
-    max_context: int = 8192
-    chars_per_token: int = 4
+    max_batch: Count = 64
+    max_context: Count = 8192
+    chars_per_token: Count = 4
 
 
 @dataclass

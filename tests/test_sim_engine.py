@@ -84,3 +84,11 @@ def test_an_option_of_the_wrong_type_is_refused_at_start(option: dict) -> None:
     the worker ran with no heartbeat, and the stack was never ready, with nothing logged."""
     with pytest.raises(ValueError, match=next(iter(option))):
         create(**option)
+
+
+@pytest.mark.parametrize("option", ["max_batch", "max_context", "chars_per_token"])
+def test_a_count_below_one_is_refused_at_start(option: str) -> None:
+    """``max_batch=0`` made a worker that heartbeat no capacity and took nothing while /readyz
+    said ready; ``chars_per_token=0`` failed every request with a division by zero."""
+    with pytest.raises(ValueError, match=option):
+        create(**{option: 0})
