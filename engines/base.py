@@ -11,8 +11,10 @@ event loop and only reads counters.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any, Protocol, TypeVar
+
+import msgspec
 
 from slogate.protocol import FinishReason, SamplingParams, TokenLogprob
 
@@ -24,6 +26,31 @@ the median and up to 9 ms for a short prompt at 16 streams, tiny model), far mor
 tokenizing it, while a 2,000-token prompt tokenized between two steps adds its 2-3 ms to every
 stream's gap. Above it the loader encodes through the tokenizer's batch call, which lets go
 of the GIL, so the side thread does not stall the loop either."""
+
+
+COUNT = Annotated[int, msgspec.Meta(ge=1)]
+"""An engine option that counts something the engine cannot do without (a slot, a chunk, a
+block): zero started cleanly and then served nothing (:func:`checked_options`)."""
+AT_LEAST_0 = Annotated[int, msgspec.Meta(ge=0)]
+NOT_NEGATIVE = Annotated[float, msgspec.Meta(ge=0)]
+
+OptionsT = TypeVar("OptionsT")
+
+
+def checked_options(engine: str, options_type: type[OptionsT], options: dict[str, Any]) -> OptionsT:
+    """``options`` as the engine's options dataclass, each checked for its type and range
+    before anything loads: a typo names the valid options, a wrong value its option, where
+    they used to fail deep inside once the model had loaded (``kv_cache_bytes=2e8``: "'float'
+    object cannot be interpreted as an integer"), or not at all (a worker with no slot)."""
+    known = {f.name for f in fields(options_type)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown {engine} engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
+    try:
+        return msgspec.convert(options, options_type)
+    except msgspec.ValidationError as exc:
+        what, _, where = str(exc).rpartition(" - at `$.")
+        raise ValueError(f"{engine} engine option {where.rstrip('`')}: {what}") from None
 
 
 @dataclass

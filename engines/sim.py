@@ -15,11 +15,9 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
-
-from engines.base import EngineLoad, EngineRequest, Send, StepOutput
+from engines.base import COUNT, EngineLoad, EngineRequest, Send, StepOutput, checked_options
 from slogate.protocol import TokenLogprob, fit_to_context
 
 WORDS = (
@@ -29,19 +27,14 @@ WORDS = (
 ).split()
 
 
-Count = Annotated[int, msgspec.Meta(ge=1)]
-"""No slot (a worker that takes nothing though it looks ready), no context, or no characters
-to a token (every request a division by zero) is refused when the engine is built."""
-
-
 @dataclass
 class SimTiming:
     prefill_s_per_token: float = 0.00005
     decode_base_s: float = 0.004
     decode_s_per_seq: float = 0.0002
-    max_batch: Count = 64
-    max_context: Count = 8192
-    chars_per_token: Count = 4
+    max_batch: COUNT = 64
+    max_context: COUNT = 8192
+    chars_per_token: COUNT = 4
 
 
 @dataclass
@@ -196,14 +189,7 @@ class SimEngine:
 
 
 def create(model: str | None = None, **options: Any) -> SimEngine:
-    """Options are checked here: one of the wrong type (``-o decode_base_s=4ms``) would fail
-    only in ``load()``, in the worker's heartbeat, leaving a worker nobody sees."""
-    unknown = sorted(k for k in options if not hasattr(SimTiming, k))
-    if unknown:
-        raise ValueError(f"unknown sim engine options: {', '.join(unknown)}")
-    try:
-        timing = msgspec.convert(options, SimTiming)
-    except msgspec.ValidationError as exc:
-        what, _, where = str(exc).rpartition(" - at `$.")
-        raise ValueError(f"sim engine option {where.rstrip('`')}: {what}") from None
-    return SimEngine(model_id=model or "slogate-sim", timing=timing)
+    """Options are checked here (:func:`engines.base.checked_options`): one of the wrong type
+    (``-o decode_base_s=4ms``) would fail only in ``load()``, in the worker's heartbeat,
+    leaving a worker nobody sees."""
+    return SimEngine(model_id=model or "slogate-sim", timing=checked_options("sim", SimTiming, options))

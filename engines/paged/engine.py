@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from engines.base import EngineLoad, EngineRequest, Send, StepOutput
+from engines.base import COUNT, EngineLoad, EngineRequest, Send, StepOutput
 from engines.paged.block_manager import BlockManager
 from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.grammar import Grammars, TokenizerUnsupported, matcher_error
-from engines.runtime.loader import COUNT, LoadedModel
+from engines.runtime.loader import LoadedModel
 from engines.runtime.packed_linear import pack_linears
 from engines.runtime.sampling import make_generator, sample, token_logprobs
 from engines.runtime.token_pieces import TokenPieces

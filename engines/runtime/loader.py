@@ -9,16 +9,15 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
-import msgspec
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from engines.base import LONG_PROMPT_CHARS
+from engines.base import LONG_PROMPT_CHARS, checked_options
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -202,28 +201,13 @@ E = TypeVar("E")
 O = TypeVar("O")
 
 
-COUNT = Annotated[int, msgspec.Meta(ge=1)]
-"""An engine option that counts something the engine cannot do without (a batch, a chunk, a
-block): zero started cleanly and then served nothing (``load_engine`` checks it)."""
-AT_LEAST_0 = Annotated[int, msgspec.Meta(ge=0)]
-SECONDS_OR_RATIO = Annotated[float, msgspec.Meta(ge=0)]
-
-
 def load_engine(name: str, engine: Callable[[LoadedModel, O], E], options_type: type[O], model: str | None,
                 dtype: str, device: str, options: dict[str, Any]) -> E:
-    """Check ``options`` against the engine's options dataclass, its types and ranges (a typo
-    names the valid ones, a zero count is refused, instead of failing deep inside or serving
-    nothing), then load ``model`` and build the engine."""
+    """Check ``options`` (:func:`engines.base.checked_options`), then load ``model`` and build
+    the engine."""
     if not model:
         raise ValueError(f"the {name} engine needs a model (a local directory or hub id)")
-    known = {f.name for f in fields(options_type)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown {name} engine options: {', '.join(unknown)}; expected {', '.join(sorted(known))}")
-    try:
-        opts = msgspec.convert(options, options_type)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"bad {name} engine option: {exc}") from None
+    opts = checked_options(name, options_type, options)
     return engine(load_model(model, dtype=dtype, device=device), opts)
 
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.base import EngineLoad, Send, StepOutput
+from engines.base import AT_LEAST_0, COUNT, NOT_NEGATIVE, EngineLoad, Send, StepOutput
 from engines.paged import step_graphs
 from engines.paged.engine import PagedEngine, PagedOptions
 from engines.paged.model_runner import KVShape
 from engines.paged.scheduler import Schedule
 from engines.paged.sequence import Sequence
-from engines.runtime.loader import AT_LEAST_0, COUNT, SECONDS_OR_RATIO, LoadedModel
+from engines.runtime.loader import LoadedModel
 from engines.stream.cost import Ewma, StepCost
 from engines.stream.scheduler import LatencyPolicy, LatencyScheduler, plan_chunks
 from slogate.protocol import SamplingParams
@@ -40,9 +40,9 @@ most 4 bytes, so byte-level tokens of one take at most 4."""
 @dataclass
 class StreamOptions:
     max_batch: COUNT = 16
-    step_budget_ms: SECONDS_OR_RATIO = 20.0
+    step_budget_ms: NOT_NEGATIVE = 20.0
     """Engine time prompt work may add to a step while streams decode."""
-    max_stall_ratio: SECONDS_OR_RATIO = 1.0
+    max_stall_ratio: NOT_NEGATIVE = 1.0
     min_chunk_tokens: COUNT = 16
     short_prompt_tokens: AT_LEAST_0 = 512
     prefill_chunk_tokens: COUNT | None = None
