@@ -119,10 +119,20 @@ class Worker:
         tasks = [asyncio.create_task(coro) for coro in (
             self._intake_loop(), self._heartbeat_loop(), self._claim_loop(), self._departed_loop(),
             self._cancel_loop(), self._abandoned_loop(), self._watchdog_loop())]
+        engine = asyncio.create_task(self._engine_loop())
         try:
-            await self._engine_loop()
+            # A loop that fails (a bug) would leave a worker that looks alive and serves
+            # nothing (no heartbeat, or no intake). The worker ends with the loop's error
+            # instead, for its supervisor to restart it; what it held stays pending for others.
+            running = {engine, *tasks}
+            while engine in running:
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for failed in [t for t in done if t is not engine and not t.cancelled() and t.exception()]:
+                    log.error("the worker's %s failed; the worker stops", failed.get_coro().__name__)
+                    failed.result()
+            engine.result()
         finally:
-            await cancel_and_wait(tasks)
+            await cancel_and_wait([engine, *tasks])
             key = keys.heartbeat(self.s.pool, self.s.worker_id)
             try:
                 async with self.redis.pipeline(transaction=True) as p:

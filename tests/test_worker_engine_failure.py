@@ -116,3 +116,24 @@ async def test_what_an_engine_reported_before_it_died_still_reaches_the_gateway(
     finally:
         await client.execute_command("CLIENT", "UNPAUSE")
         await client.aclose()
+
+
+class UnreadableLoadEngine(FlakyEngine):
+    """Steps fine, but what it reports of its load cannot be read (a bug, or an option of the
+    wrong type that nothing checked): the heartbeat loop fails on it."""
+
+    def load(self):
+        raise TypeError("unsupported operand type(s) for *: 'float' and 'str'")
+
+
+async def test_a_worker_whose_loop_fails_ends_instead_of_serving_on_unseen(redis_url: str) -> None:
+    """Its heartbeat loop died unseen while the worker ran on: it said it was serving, and
+    no gateway ever routed to it. Now the worker ends with the loop's error, for its supervisor
+    to see and restart it."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(UnreadableLoadEngine(), client, WorkerSettings(pool="p"))
+    try:
+        with pytest.raises(TypeError, match="unsupported operand"):
+            await asyncio.wait_for(worker.run(), 10)
+    finally:
+        await client.aclose()
