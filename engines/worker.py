@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from engines.base import LONG_PROMPT_CHARS, Engine, EngineRequest, StepOutput
 from engines.engine_process import EngineDied, EngineProcess
@@ -146,16 +146,17 @@ class Worker:
         self._stopping.set()
 
     async def _ensure_group(self) -> None:
+        """Create the pool's consumer group, until Redis takes it: error replies included (a
+        failover's READONLY, a full disk's MISCONF), which ended the worker's start, or its
+        intake after a Redis that restarted empty."""
         while True:
             try:
                 await self.redis.xgroup_create(self.queue, keys.GROUP, id="0", mkstream=True)
                 return
-            except ResponseError as exc:
+            except (RedisError, OSError) as exc:
                 if "BUSYGROUP" in str(exc):
                     return
-                raise
-            except (RedisError, OSError) as exc:
-                log.warning("cannot reach Redis to join %s (%s); retrying", self.queue, exc)
+                log.warning("cannot join %s (%s); retrying", self.queue, exc)
                 await asyncio.sleep(0.5)
 
     # -- intake ---------------------------------------------------------------------------

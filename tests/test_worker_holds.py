@@ -262,3 +262,24 @@ async def test_a_worker_refused_by_a_redis_that_cannot_take_writes_takes_new_wor
     finally:
         await cancel_and_wait([task])
         await client.aclose()
+
+
+async def test_a_worker_that_must_create_its_group_while_redis_refuses_writes_waits_for_it(
+        own_redis: LocalRedis) -> None:
+    """A worker starting during a failover, or whose queue a Redis restarted empty lost, creates
+    the consumer group: refused with READONLY, the intake (or the worker's start) ended there."""
+    client = aioredis.Redis.from_url(own_redis.url)
+    worker = Worker(create(decode_base_s=0), client, WorkerSettings(pool="p"))
+    await client.replicaof("127.0.0.1", free_port())  # a master that is not there: read-only
+    try:
+        joining = asyncio.create_task(worker._ensure_group())
+        await asyncio.sleep(0.6)
+        assert not joining.done(), joining
+    finally:
+        await client.replicaof("NO", "ONE")
+    try:
+        await asyncio.wait_for(joining, 5)
+        assert [g["name"] for g in await client.xinfo_groups(keys.queue("p"))] == [keys.GROUP.encode()]
+    finally:
+        await cancel_and_wait([joining])
+        await client.aclose()
