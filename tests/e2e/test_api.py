@@ -274,9 +274,10 @@ async def test_finished_requests_leave_no_keys(stack: Stack) -> None:
     assert pending == {"interactive": 0, "batch": 0}
 
 
-async def test_a_quiet_stream_sends_keep_alive_comments(redis_server) -> None:
-    """Steps of 1.5 s: before each token the stream sends SSE comments, which the SDK skips."""
-    slow = start_stack(redis_server, decode_base_s=1.5, SLOGATE_SSE_KEEP_ALIVE_S="0.3",
+async def test_a_quiet_stream_sends_keep_alive_comments(own_redis) -> None:
+    """Steps of 1.5 s: before each token the stream sends SSE comments, which the SDK skips. On
+    a Redis of its own: the module's fast workers would take its requests from a shared queue."""
+    slow = start_stack(own_redis, decode_base_s=1.5, SLOGATE_SSE_KEEP_ALIVE_S="0.3",
                        SLOGATE_ADMISSION_CONTROL="0")
     try:
         body = {**CHAT, "max_tokens": 2, "stream": True}
