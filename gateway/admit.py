@@ -130,9 +130,12 @@ def _refusal(state: GatewayState, cls: str, d: Decision, parsed: ParsedRequest, 
 def _beyond_context(state: GatewayState, parsed: ParsedRequest, tokens: int) -> str | None:
     """What to say of a request too slow for interactive work that would not fit the model's
     context either (its prompt estimated at ``tokens``): sent as batch it would only come back a
-    400, after a wait."""
+    400, after a wait. A default max_tokens is not counted: the worker lowers it to the room
+    the prompt leaves (:func:`slogate.protocol.fit_to_context`)."""
     model = state.directory.view.models.get(parsed.model)
-    if model is None or tokens + parsed.sampling.max_tokens < model.max_context:
+    sampling = parsed.sampling
+    answer = sampling.max_tokens if parsed.max_tokens_given else max(1, sampling.min_tokens)
+    if model is None or tokens + answer < model.max_context:
         return None
     return (f"besides, its prompt (about {tokens} tokens, counting characters a token as this key's earlier "
             f"prompts did) and max_tokens likely exceed the model's context of {model.max_context} tokens: "

@@ -216,6 +216,29 @@ async def test_with_admission_off_a_model_whose_last_worker_left_is_a_503() -> N
     assert refused.value.headers["Retry-After"] == "1"
 
 
+async def test_a_prompt_that_leaves_room_for_an_answer_is_never_told_to_shorten_for_a_default_max_tokens() -> None:
+    """Too slow for interactive work, a request is told whether it would fit the model's context
+    as batch. Without max_tokens the default (256) is a cap that a long prompt lowers: 1,800
+    tokens of a 2,048 context are served, so the advice is batch, not "shorten the prompt";
+    with max_tokens 256 set by the client the same prompt would be a 400, and is told so."""
+
+    class TooSlow(Until):
+        def decide(self, **_) -> Decision:
+            return Decision("shed", "exceeds-objective", 429, 0.0, 2.0, pool="interactive")
+
+    state = held_state(TooSlow(1.0))
+    state.directory.view = SimpleNamespace(models={"m": SimpleNamespace(max_context=2048)})
+    long = {"messages": [{"role": "user", "content": "x" * (4 * 1800)}], "max_tokens_given": False,
+            "sampling": SamplingParams(max_tokens=256, max_tokens_default=True)}
+    with pytest.raises(APIError) as refused:
+        await admit(state, dataclasses.replace(PARSED, **long), "interactive", time.time() + 30)
+    assert "x-slogate-class: batch" in refused.value.message and "shorten" not in refused.value.message
+    given = {**long, "max_tokens_given": True, "sampling": SamplingParams(max_tokens=256)}
+    with pytest.raises(APIError) as refused:
+        await admit(state, dataclasses.replace(PARSED, **given), "interactive", time.time() + 30)
+    assert "shorten the prompt" in refused.value.message
+
+
 def test_a_full_line_says_when_a_place_should_free_from_how_it_has_moved() -> None:
     now = [100.0]
     line = HoldLine(clock=lambda: now[0])
