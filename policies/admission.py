@@ -128,9 +128,7 @@ class AdmissionController:
                          self.prompts)
             if route is None:
                 return self._unavailable(own, signals, now)
-            if deadline is not None and now + route.prediction.wait_s + route.prediction.hold_s > deadline:
-                return self._past_deadline(route, deadline, now if sent_at is None else sent_at)
-            return self._interactive(route, budget, stream, now)
+            return self._interactive(route, budget, stream, now, deadline, now if sent_at is None else sent_at)
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline,
                            now if sent_at is None else sent_at, behind_held)
 
@@ -150,14 +148,16 @@ class AdmissionController:
         return Decision("shed", "cannot-meet-deadline", 429, retry, pred.wait_s + pred.hold_s, route.pool,
                         route.worker)
 
-    def _interactive(self, route: Route, budget: float, stream: bool, now: float) -> Decision:
+    def _interactive(self, route: Route, budget: float, stream: bool, now: float, deadline: float | None,
+                     sent_at: float) -> Decision:
         pred = route.prediction
+        past_deadline = deadline is not None and now + pred.wait_s + pred.hold_s > deadline
         wait_budget = budget - pred.service_s
         if pred.queue_wait_s > 0 and not self._may_queue(route.pool, pred):
             wait_budget = 0.0
         book = self.prompt_book(route.pool)
         room, room_at = book.room(now, pred.priced_share)
-        if wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
+        if not past_deadline and wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
             decision = self._admit("spill" if route.spilled else "fits", route, now)
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
             book.promise(budget - pred.total_s, until, now)
@@ -165,8 +165,13 @@ class AdmissionController:
         # A relaxed loop admits beyond the margin on an idle pool: no retry that would fit is refused.
         if pred.floor_service_s > max(budget, self.objective(stream) / self.cfg.admission.margin):
             return Decision("shed", "exceeds-objective", 429, 0.0, pred.floor_service_s, route.pool, route.worker)
-        if self._probe_due(route.pool, now):  # never one that misses on an idle pool: it would teach nothing
+        # Never one that misses on an idle pool: it would teach nothing. Its deadline is judged
+        # the same way: a probe goes against the learned costs, which may be what is wrong.
+        fits_deadline = deadline is None or now + pred.floor_hold_s <= deadline
+        if fits_deadline and self._probe_due(route.pool, now):
             return self._admit("probe", route, now)
+        if past_deadline:
+            return self._past_deadline(route, deadline, sent_at)
         if wait_budget < 0:  # fits an idle pool: the load makes each step slow
             late = pred.mean_hold_s
         else:

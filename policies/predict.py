@@ -143,6 +143,9 @@ class Prediction:
     floor_service_s: float = 0.0
     """``service_s`` on an idle pool, at the workers' own step costs: when even this misses the
     objective, no wait makes the request fit, and retrying will not help."""
+    floor_hold_s: float = 0.0
+    """``hold_s`` likewise: the least the whole answer takes, by which a request is told apart
+    that misses its deadline whatever the learned costs say."""
 
     @property
     def wait_s(self) -> float:
@@ -308,7 +311,8 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
                       max(in_flight - load.capacity, 0), prompts_ahead_s,
                       load.prefill_s_per_token * prompt_tokens / load.workers,
                       min(max(priced, 0.0), MAX_PRICED_SHARE),
-                      floor_service(load, c, prompt_tokens, max_tokens, stream))
+                      floor_service(load, c, prompt_tokens, max_tokens, stream),
+                      floor_service(load, c, prompt_tokens, max_tokens, False))
 
 
 def floor_service(load: PoolLoad, c: Costs, prompt_tokens: int, max_tokens: int, stream: bool) -> float:

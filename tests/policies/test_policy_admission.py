@@ -191,6 +191,8 @@ def test_an_interactive_request_whose_own_deadline_comes_first_is_shed_not_run_i
         assert (d.outcome, d.reason, d.status) == ("shed", "cannot-meet-deadline", 429), stream
         assert d.retry_after_s == 0.0, "it misses on an idle pool: retrying will not help"
         assert ask(ctl, idle, stream=stream, now=100.0, deadline=101.0).admitted
+    ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=100.0, epoch=0)  # heard from: no probe due
     d = ask(ctl, signals(i_depth=2, i_running=8), now=100.0, deadline=100.1, sent_at=100.0)
     assert (d.outcome, d.reason) == ("shed", "cannot-meet-deadline")
     assert d.retry_after_s > 0, "it fits once the queue ahead has gone"
@@ -461,3 +463,21 @@ def test_probes_admitted_against_the_prediction_do_not_tighten_the_loop() -> Non
                     queue_wait_s=0.2, ttft_s=0.25, e2e_s=0.3, now=now, epoch=probe.epoch)
         now += 2 * CFG.admission.probe_interval_s
     assert ctl.feedback.factor == 1.0
+
+
+def test_a_pool_whose_learned_costs_say_it_misses_every_deadline_is_still_probed() -> None:
+    """One answer held up 40 s between its two tokens (its records waited out a Redis outage)
+    taught a cost that puts 8 tokens past the 30 s interactive deadline, while the workers'
+    own steps say the pool is idle and fast. Only a probe lets the costs learn again: shed for
+    its deadline instead, every request was refused, without a retry, for as long as the
+    gateway ran."""
+    ctl = AdmissionController(CFG)
+    for i in range(CFG.admission.estimator.min_samples):
+        ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
+                    queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=float(i), epoch=0)
+    ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=2,
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=40.02, now=10.0, epoch=0)
+    idle = {"interactive": signals(i_running=0)["interactive"]}
+    now = 10.0 + 2 * CFG.admission.probe_interval_s
+    d = ask(ctl, idle, now=now, deadline=deadline_for("interactive", now, CFG))
+    assert (d.outcome, d.reason) == ("admit", "probe"), d
