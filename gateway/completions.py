@@ -54,6 +54,10 @@ class _Job:
     worker_done: bool = False
     """A final or error record came: nothing is left to cancel."""
     final: Final | None = None
+    ended_at: float = 0.0
+    """When the final or error record came: the request's end, which its latencies are measured
+    to, not when its client took it (a stream's last write may wait ``client_timeout_s`` for a
+    client that stopped reading)."""
     status: int = 0
     """The HTTP status of a failed request: 5xx other than 504 count against the pool's
     breaker. A missed deadline is a latency signal (the feedback loop's business), and counting
@@ -339,6 +343,7 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
 
 
 def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
+    job.ended_at = time.time()
     job.worker_done = rec.attempt != 0  # attempt 0: the gateway's own error; the worker goes on until cancelled
     if isinstance(rec, Error):
         job.outcome, job.status = rec.code, rec.status
@@ -467,7 +472,7 @@ def _observe(job: _Job) -> None:
     """Metrics for every request; for finished ones, teach the admission controller what
     they cost; for ones the pool failed, count it against the pool's breaker."""
     job.state.metrics.finished(*job.labels, job.outcome)
-    end = time.time()
+    end = job.ended_at or time.time()
     e2e = end - job.arrived
     m = job.state.metrics.series(*job.labels)
     m.prompt_tokens.inc(job.prompt_tokens)

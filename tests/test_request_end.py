@@ -179,6 +179,34 @@ async def test_a_client_that_takes_none_of_the_answers_end_is_cut_off() -> None:
     request.transport.abort.assert_called_once()
 
 
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+async def test_the_time_a_client_takes_to_read_the_end_is_not_learned_as_the_pools() -> None:
+    """A stream answered in full whose client then read nothing for its client_timeout_s (1 s):
+    the wait for the client was measured as the request's own end to end, and admission
+    learned it as the pool's decode cost, 1/8 s more per token of its 9, for every request
+    after (the pool's 10 ms steps looked like 135 ms)."""
+    from gateway.completions import _stream
+    from gateway.results import Subscription
+    from slogate.protocol import Delta
+
+    class StuckClient(_Writes):
+        async def write_eof(self, data: bytes = b"") -> None:
+            await super().write_eof(data)
+            await asyncio.Event().wait()
+
+    sub = Subscription("r", keep_alive=True)
+    for rec in (Delta("a b c d e f g h i", 0, prompt_tokens=3, completion_tokens=9), Final("stop", 3, 9)):
+        sub.records.put_nowait(rec)
+    sub.arrived.set()
+    job = _stream_job(sub)
+    job.state = SimpleNamespace(cfg=SimpleNamespace(client_timeout_s=1.0), metrics=GatewayMetrics(),
+                                admission=AdmissionController(load({})))
+    with pytest.raises(ConnectionResetError):
+        await _stream(_http_request(StuckClient()), job)
+    _observe(job)
+    assert job.state.admission.estimate("interactive").decode_s_per_token * 8 < 1.0
+
+
 def test_the_gateways_own_error_leaves_the_request_to_be_cancelled_on_the_worker() -> None:
     """A record the gateway could not read, or its own lost reader, ends the answer, but the
     worker is still generating it: only a worker's own last record spares the cancel."""
