@@ -80,6 +80,9 @@ class PagedEngine:
             1, opts.kv_cache_bytes // KVShape.of(loaded.model).bytes_per_block(opts.block_size, loaded.dtype)
         )
         self.block_manager = BlockManager(num_blocks, opts.block_size, opts.enable_prefix_caching)
+        self.longest_sequence = min(loaded.max_context, num_blocks * opts.block_size)
+        """What one request may reach: the context, or the KV pool where that holds less (a large
+        model's, in a small budget). A default ``max_tokens`` is lowered to fit it."""
         self.scheduler = Scheduler(
             self.block_manager, opts.max_num_seqs, opts.max_batched_tokens, loaded.max_context
         )
@@ -125,7 +128,7 @@ class PagedEngine:
                                                         f"vocabulary (token ids 0 to {vocab - 1})", param=name))
                 return
         request = dataclasses.replace(request, sampling=fit_to_context(request.sampling, len(prompt_ids),
-                                                                         self.max_context))
+                                                                         self.longest_sequence))
         seq = Sequence(request.id, list(prompt_ids), request.sampling, request.deadline)
         reason = "empty prompt" if not prompt_ids else self.scheduler.rejection(seq)
         if reason:

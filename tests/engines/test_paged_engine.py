@@ -239,6 +239,21 @@ def test_a_default_max_tokens_is_lowered_to_the_room_the_prompt_leaves(make_engi
     assert not last.error and (last.finish_reason, last.completion_tokens) == ("length", room)
 
 
+def test_a_default_max_tokens_is_lowered_to_the_room_the_kv_pool_leaves(make_engine: MakeEngine) -> None:
+    """A pool smaller than the context (a large model's, in a small KV budget) holds fewer
+    tokens than the context allows: a prompt that fit the pool was refused for a default
+    max_tokens the client never asked for ("prompt plus max_tokens needs 5 KV blocks")."""
+    engine = make_engine(num_blocks=4)
+    pool_tokens = 4 * engine.block_manager.block_size
+    assert pool_tokens < engine.max_context
+    room = 3
+    prompt_ids = [(7 * i) % 500 + 10 for i in range(pool_tokens - room)]
+    sampling = SamplingParams(max_tokens=16, max_tokens_default=True, temperature=0.0, ignore_eos=True)
+    engine.add_request(EngineRequest("fit", sampling, time.time() + 3600, prompt="", prompt_ids=prompt_ids))
+    (last,) = [o for o in _drain(engine) if o.finish_reason or o.error]
+    assert not last.error and (last.finish_reason, last.completion_tokens) == ("length", room), last.error
+
+
 def test_a_stop_token_beyond_the_vocabulary_fails_only_its_own_request(make_engine: MakeEngine) -> None:
     """Sampling bans stop tokens by id until min_tokens: an id past the logits failed the step,
     and with it every request the engine held."""
