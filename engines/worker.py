@@ -549,7 +549,8 @@ class Worker:
                 if self.inflight:
                     await self._abort_cancelled(list(self.inflight))
                 async for msg in pubsub.listen():
-                    job = self._abort(msg["data"].decode())
+                    # any client may publish here: what is no request id in UTF-8 matches none
+                    job = self._abort(msg["data"].decode(errors="replace"))
                     if job is not None:
                         self._drop([job])
             except (RedisError, OSError) as exc:

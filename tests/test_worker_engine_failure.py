@@ -15,6 +15,7 @@ from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
 from slogate.protocol import Error, Final, GenerateRequest, SamplingParams
+from slogate.tasks import cancel_and_wait
 
 REPLIES = keys.replies("test-gateway")
 
@@ -136,4 +137,31 @@ async def test_a_worker_whose_loop_fails_ends_instead_of_serving_on_unseen(redis
         with pytest.raises(TypeError, match="unsupported operand"):
             await asyncio.wait_for(worker.run(), 10)
     finally:
+        await client.aclose()
+
+
+async def test_a_cancel_message_that_is_no_request_id_is_skipped(redis_url: str) -> None:
+    """Any Redis client may publish on the cancel channel: one message that was not UTF-8 ended
+    the cancel loop with a UnicodeDecodeError and, since a failed loop ends its worker, every
+    worker of every pool at once (slogate up, told exit 2, then stopped the stack)."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0.02), client, WorkerSettings(pool="p"))
+    task = asyncio.create_task(worker.run())
+    try:
+        req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", reply=REPLIES,
+                              sampling=SamplingParams(max_tokens=1000), deadline=time.time() + 60,
+                              enqueued_at=time.time(), prompt="hello")
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        while "r" not in worker.inflight or not (await client.pubsub_numsub(keys.CANCEL_CHANNEL))[0][1]:
+            await asyncio.sleep(0.01)
+        await client.publish(keys.CANCEL_CHANNEL, b"\xff\xfe")
+        await client.publish(keys.CANCEL_CHANNEL, "r")
+        for _ in range(100):
+            if task.done() or "r" not in worker.inflight:
+                break
+            await asyncio.sleep(0.05)
+        assert not task.done(), task
+        assert "r" not in worker.inflight, "the cancel after it still stops its request"
+    finally:
+        await cancel_and_wait([task])
         await client.aclose()
