@@ -47,6 +47,13 @@ SEND_ON_DEATH_S = 5.0
 slow or away); what is not sent by then stays pending, for another worker to run again."""
 
 
+class LoopFailed(Exception):
+    """A loop of a running worker failed (a bug): the worker ends, for its supervisor to
+    restart it. Not the loop's own error, which may be a ValueError or RuntimeError, what the
+    CLI takes for a worker that cannot start as configured (exit code 2, for which ``slogate
+    up`` stops the stack instead)."""
+
+
 @dataclass
 class WorkerSettings:
     pool: str
@@ -128,8 +135,9 @@ class Worker:
             while engine in running:
                 done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for failed in [t for t in done if t is not engine and not t.cancelled() and t.exception()]:
-                    log.error("the worker's %s failed; the worker stops", failed.get_coro().__name__)
-                    failed.result()
+                    name, exc = failed.get_coro().__name__, failed.exception()
+                    log.error("the worker's %s failed; the worker stops", name, exc_info=exc)
+                    raise LoopFailed(f"the worker's {name} failed: {exc}") from exc
             engine.result()
         finally:
             await cancel_and_wait([engine, *tasks])

@@ -60,7 +60,7 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
         raise ConfigError(f"--metrics-port: must be 0 (off) to 65535, got {args.metrics_port}")
     from engines.engine_process import EngineDied
     from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
-    from engines.worker import run_worker
+    from engines.worker import LoopFailed, run_worker
     from slogate.cpus import pin_to
     from slogate.up import worker_threads
 
@@ -78,7 +78,7 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
         engine = create_engine(engine_name, model, options, threads=threads)
     try:
         _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
-    except EngineDied as exc:
+    except (EngineDied, LoopFailed) as exc:
         print(f"slogate: {exc}; the requests this worker held stay pending for other workers", file=sys.stderr)
         sys.exit(1)
 

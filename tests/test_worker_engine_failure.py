@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,8 +14,10 @@ import redis.asyncio as aioredis
 
 from engines.engine_process import EngineDied, EngineProcess
 from engines.sim import create
-from engines.worker import Worker, WorkerSettings
+from engines.worker import LoopFailed, Worker, WorkerSettings
 from slogate import keys, protocol
+from slogate.local_redis import LocalRedis
+from slogate.processes import python_path
 from slogate.protocol import Error, Final, GenerateRequest, SamplingParams
 from slogate.tasks import cancel_and_wait
 
@@ -134,10 +138,35 @@ async def test_a_worker_whose_loop_fails_ends_instead_of_serving_on_unseen(redis
     client = aioredis.Redis.from_url(redis_url)
     worker = Worker(UnreadableLoadEngine(), client, WorkerSettings(pool="p"))
     try:
-        with pytest.raises(TypeError, match="unsupported operand"):
+        with pytest.raises(LoopFailed, match="failed: unsupported operand") as failed:
             await asyncio.wait_for(worker.run(), 10)
+        assert isinstance(failed.value.__cause__, TypeError)
     finally:
         await client.aclose()
+
+
+FAILING_LOOP_WORKER = """
+import engines.registry, engines.sim
+
+class LoadFails(engines.sim.SimEngine):
+    def load(self):
+        raise RuntimeError("a bug in a loop of a running worker")
+
+engines.registry.create_engine = lambda *args, **kwargs: LoadFails()
+from slogate.cli import main
+main(["worker", "--pool", "interactive", "--engine", "sim"])
+"""
+
+
+def test_a_worker_whose_loop_fails_exits_for_its_supervisor_to_restart_it(redis_server: LocalRedis) -> None:
+    """Exit code 2 says a worker cannot start as configured, and slogate up stops the whole
+    stack for it rather than restart the worker. A loop's RuntimeError or ValueError (a bug,
+    long after the start) took that code, as any start-up error of those types does."""
+    env = {**os.environ, "PYTHONPATH": python_path(), "SLOGATE_REDIS_URL": redis_server.url}
+    run = subprocess.run([sys.executable, "-c", FAILING_LOOP_WORKER], env=env, capture_output=True, text=True,
+                         check=False, timeout=60)
+    assert run.returncode == 1, run.stderr
+    assert "a bug in a loop of a running worker" in run.stderr
 
 
 async def test_a_cancel_message_that_is_no_request_id_is_skipped(redis_url: str) -> None:
