@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import COUNT, EngineLoad, EngineRequest, Send, StepOutput, checked_options
+from engines.base import COUNT, NOT_NEGATIVE, EngineLoad, EngineRequest, Send, StepOutput, checked_options
 from slogate.protocol import TokenLogprob, fit_to_context
 
 WORDS = (
@@ -29,9 +29,9 @@ WORDS = (
 
 @dataclass
 class SimTiming:
-    prefill_s_per_token: float = 0.00005
-    decode_base_s: float = 0.004
-    decode_s_per_seq: float = 0.0002
+    prefill_s_per_token: NOT_NEGATIVE = 0.00005
+    decode_base_s: NOT_NEGATIVE = 0.004
+    decode_s_per_seq: NOT_NEGATIVE = 0.0002
     max_batch: COUNT = 64
     max_context: COUNT = 8192
     chars_per_token: COUNT = 4

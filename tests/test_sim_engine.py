@@ -92,3 +92,11 @@ def test_a_count_below_one_is_refused_at_start(option: str) -> None:
     said ready; ``chars_per_token=0`` failed every request with a division by zero."""
     with pytest.raises(ValueError, match=option):
         create(**{option: 0})
+
+
+@pytest.mark.parametrize("option", ["prefill_s_per_token", "decode_base_s", "decode_s_per_seq"])
+def test_a_negative_time_is_refused_at_start(option: str) -> None:
+    """Its load would report negative step times, which admission takes for a pool that serves
+    everything at once."""
+    with pytest.raises(ValueError, match=option):
+        create(**{option: -0.001})

@@ -72,8 +72,6 @@ class StreamEngine(PagedEngine):
 
     def __init__(self, loaded: LoadedModel, options: StreamOptions | None = None) -> None:
         opts = options or StreamOptions()
-        if opts.max_batch < 1:
-            raise ValueError(f"max_batch must be at least 1, got {opts.max_batch}")
         block_bytes = KVShape.of(loaded.model).bytes_per_block(opts.block_size, loaded.dtype)
         full = opts.max_batch * -(-loaded.max_context // opts.block_size)
         super().__init__(loaded, PagedOptions(
