@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -138,27 +139,31 @@ async def test_a_record_lost_between_worker_and_gateway_ends_the_stream_with_an_
         async with s.post(slow_stack.url + "/v1/chat/completions", json=body(60, stream=True, prompt="lost")) as r:
             assert r.status == 200
             first = await r.content.readline()
-            def replies() -> list[bytes]:  # this gateway's, once the worker has written to it
-                return [k for k in client.scan_iter("slogate:r:*")
-                        if client.exists(k.replace(b"slogate:r:", b"slogate:alive:"))]
-
-            wait_for(replies, 5, "the worker's first record")
-            [reply] = replies()
-            os.kill(gateway.pid, signal.SIGSTOP)
-            try:
+            wait_for(lambda: _live_replies(client), 5, "the worker's first record")
+            [reply] = _live_replies(client)
+            with _stopped(gateway):
                 written = client.xlen(reply)
                 wait_for(lambda: client.xlen(reply) >= written + 3, 5, "records the gateway has not read")
                 lost = client.xrange(reply, "-", "+")[-2][0]
                 client.xdel(reply, lost)
-            finally:
-                os.kill(gateway.pid, signal.SIGCONT)
             events = await sse_events(r)
     client.close()
-    assert first.startswith(b"data: ")
-    errors = [e for e in events if isinstance(e, dict) and "error" in e]
-    assert len(errors) == 1 and errors[0]["error"]["code"] == "result_lost"
-    assert "lost on its way from the worker" in errors[0]["error"]["message"]
-    assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
+    _assert_result_lost(first, events)
+
+
+def _live_replies(client: redis.Redis) -> list[bytes]:
+    """The reply streams of live gateways (whose ``alive`` key is there), once written to."""
+    return [k for k in client.scan_iter("slogate:r:*") if client.exists(k.replace(b"slogate:r:", b"slogate:alive:"))]
+
+
+@contextlib.contextmanager
+def _stopped(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """The process stopped (SIGSTOP) meanwhile: it reads nothing of what arrives."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 def _records(client: redis.Redis, reply: bytes) -> list[tuple[bytes, protocol.Result]]:
@@ -182,21 +187,23 @@ async def test_the_last_text_record_lost_before_a_final_record_of_its_own_is_an_
                           json={**body(40, stream=True, prompt="lost at the end"), "stop": stop}) as r:
             assert r.status == 200
             first = await r.content.readline()
-            os.kill(gateway.pid, signal.SIGSTOP)
-            try:
-                [reply] = [k for k in client.scan_iter("slogate:r:*")
-                           if client.exists(k.replace(b"slogate:r:", b"slogate:alive:"))]
+            with _stopped(gateway):
+                [reply] = _live_replies(client)
                 wait_for(lambda: isinstance(_records(client, reply)[-1][1], protocol.Final), 5, "the final record")
                 *_, (lost, text), (_, final) = _records(client, reply)
                 assert isinstance(text, protocol.Delta) and text.text and final.finish_reason == "stop"
                 client.xdel(reply, lost)
-            finally:
-                os.kill(gateway.pid, signal.SIGCONT)
             events = await sse_events(r)
     client.close()
+    _assert_result_lost(first, events)
+
+
+def _assert_result_lost(first: bytes, events: list) -> None:
+    """The stream began, then ended in one ``result_lost`` error and no finish."""
     assert first.startswith(b"data: ")
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["error"]["code"] == "result_lost"
+    assert "lost on its way from the worker" in errors[0]["error"]["message"]
     assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"] for e in events)
 
 

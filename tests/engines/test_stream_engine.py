@@ -508,6 +508,13 @@ def test_a_request_the_engine_refused_keeps_its_400_when_the_next_step_fails(loa
     commands = [("add", EngineRequest("bad", SamplingParams(max_tokens=4, stop_token_ids=[10**6]), deadline,
                                       prompt="hi")),
                 ("add", EngineRequest("good", SamplingParams(max_tokens=4), deadline, prompt="hello")), ("stop",)]
+    assert _outcomes(engine, commands) == {"bad": 400, "good": "engine failure"}
+    assert_pool_clean(engine)
+
+
+def _outcomes(engine: StreamEngine, commands: list) -> dict[str, object]:
+    """Step ``engine`` through ``commands`` (None: nothing new at that look): each refused
+    request's status, and "engine failure" for each a failed step dropped."""
     outcome: dict[str, object] = {}
 
     def report(r) -> None:
@@ -520,8 +527,7 @@ def test_a_request_the_engine_refused_keeps_its_400_when_the_next_step_fails(loa
                 outcome.setdefault(rid, "engine failure")
 
     step_until_stopped(engine, lambda wait: commands.pop(0) if commands else None, report)
-    assert outcome == {"bad": 400, "good": "engine failure"}
-    assert_pool_clean(engine)
+    return outcome
 
 
 def test_a_request_refused_while_a_step_is_paused_keeps_its_400_when_that_step_fails(loaded: LoadedModel) -> None:
@@ -542,17 +548,5 @@ def test_a_request_refused_while_a_step_is_paused_keeps_its_400_when_that_step_f
     commands = [("add", EngineRequest("good", SamplingParams(max_tokens=4), deadline, prompt="hello")), None,
                 ("add", EngineRequest("bad", SamplingParams(max_tokens=4, stop_token_ids=[10**6]), deadline,
                                       prompt="hi")), ("stop",)]
-    outcome: dict[str, object] = {}
-
-    def report(r) -> None:
-        if isinstance(r, Step):
-            for o in r.outputs:
-                if o.error:
-                    outcome.setdefault(o.request_id, o.error_status)
-        elif isinstance(r, Failure):
-            for rid in r.request_ids:
-                outcome.setdefault(rid, "engine failure")
-
-    step_until_stopped(engine, lambda wait: commands.pop(0) if commands else None, report)
-    assert outcome == {"bad": 400, "good": "engine failure"}
+    assert _outcomes(engine, commands) == {"bad": 400, "good": "engine failure"}
     assert_pool_clean(engine)
