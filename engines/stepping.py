@@ -31,7 +31,10 @@ held, then end."""
 @dataclass
 class Step:
     outputs: list[StepOutput]
-    seconds: float
+    seconds: float | None
+    """The step's whole duration, on the report that ends it; None on what the engine sends
+    during the step, which goes on (timed as steps of their own, those hand-overs split one
+    step into several short ones in the worker's step-time histogram)."""
     load: EngineLoad
 
 
@@ -80,15 +83,11 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             ended.append(exc)
         return added
 
-    def send(outputs: list[StepOutput]) -> None:
-        """Report outputs, with the seconds since the step began or since the last report."""
-        nonlocal started
+    def send(outputs: list[StepOutput], seconds: float | None = None) -> None:
+        """Report outputs; ``seconds`` only when they end a step (see :class:`Step`)."""
         held.difference_update(o.request_id for o in outputs if o.finish_reason is not None or o.error)
-        now = time.perf_counter()
-        report(Step(outputs, now - started, engine.load()))
-        started = now
+        report(Step(outputs, seconds, engine.load()))
 
-    started = 0.0
     while True:
         busy = engine.has_unfinished()
         if stopping and not busy:
@@ -120,6 +119,6 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
             idle_reported = False  # a failure carries no load: what it dropped shows in the next report
             continue
         idle_reported = False
-        send(outputs)
+        send(outputs, time.perf_counter() - started)
         if ended:
             raise ended[0]

@@ -374,8 +374,9 @@ class Worker:
             self.engine.send(("abort", request_id))
         return job
 
-    def _on_step(self, outputs: list[StepOutput], seconds: float) -> None:
-        self.metrics.step.observe(seconds)
+    def _on_step(self, outputs: list[StepOutput], seconds: float | None) -> None:
+        if seconds is not None:
+            self.metrics.step.observe(seconds)
         if outputs:
             self._records(outputs)
         expired = self._expire()

@@ -1,0 +1,60 @@
+"""A worker's own metrics say what its engine did: one step time per step, however the engine
+hands its outputs on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis.asyncio as aioredis
+
+from engines.sim import create
+from engines.worker import Worker, WorkerSettings
+from slogate import keys, protocol
+from slogate.protocol import GenerateRequest, SamplingParams
+from tests.test_worker_engine_failure import REPLIES, results
+
+STEP_S = 0.02
+
+
+class SendsMidStep:
+    """The sim engine, except that each step hands its outputs on halfway through (as the
+    stream engine does with a prompt pass's first tokens) and then runs as long again."""
+
+    def __init__(self) -> None:
+        self.inner = create(decode_base_s=STEP_S)
+        self.steps = 0
+        self.name, self.model_id, self.max_context = "mid-step", "m", 8192
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def step(self, arrivals=None, send=None):
+        self.steps += 1
+        send(self.inner.step(arrivals, send))
+        time.sleep(STEP_S)
+        return []
+
+
+async def test_a_step_that_hands_outputs_on_midway_is_timed_once_and_whole(redis_url: str) -> None:
+    """Each mid-step hand-over was timed as a step of its own: a 40 ms step showed as one of
+    20 ms and one of about 0, the step count doubled and the P50 dragged towards 0."""
+    client = aioredis.Redis.from_url(redis_url)
+    engine = SendsMidStep()
+    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=3),
+                              deadline=time.time() + 30, enqueued_at=time.time(), reply=REPLIES, prompt="hello")
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        await results(client, "r")
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+        await client.aclose()
+    registry = worker.metrics.registry
+    labels = {"pool": "p", "worker": worker.s.worker_id, "engine": "mid-step"}
+    count = registry.get_sample_value("slogate_worker_step_seconds_count", labels)
+    total = registry.get_sample_value("slogate_worker_step_seconds_sum", labels)
+    assert engine.steps == 3 and count == 3
+    assert total >= 3 * 2 * STEP_S, "each step's time is the whole step's, both halves"
