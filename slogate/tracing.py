@@ -1,7 +1,7 @@
 """OpenTelemetry tracing, configured by the standard ``OTEL_*`` variables.
 
 Off unless ``OTEL_TRACES_EXPORTER`` names an exporter (``otlp``, ``console``) or
-``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; ``file`` writes spans as JSON lines to
+``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set; ``file`` writes spans as JSON lines to
 ``SLOGATE_TRACE_FILE`` (what the tests use to see spans from several processes). When off,
 every helper here returns before touching the OpenTelemetry API, so tracing costs nothing.
 
@@ -32,7 +32,7 @@ def setup(service_name: str, env: dict[str, str] | None = None) -> bool:
     global _tracer
     env = dict(os.environ if env is None else env)
     exporter_name = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    if not exporter_name and env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+    if not exporter_name and (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
         exporter_name = "otlp"
     if exporter_name in ("", "none"):
         _tracer = None

@@ -41,6 +41,16 @@ def test_otlp_over_http_is_accepted() -> None:
         tracing.setup("test", {})
 
 
+def test_the_traces_own_otlp_endpoint_turns_tracing_on() -> None:
+    """The standard variable for the traces' endpoint alone (the exporter reads it) was taken
+    for tracing off, and no span was ever sent."""
+    try:
+        assert tracing.setup("test", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces"})
+        assert tracing.enabled()
+    finally:
+        tracing.setup("test", {})
+
+
 async def test_a_request_that_ends_without_running_is_traced_too(redis_url: str, monkeypatch) -> None:
     """One whose deadline passed in the queue, and one the engine refused: their traces show
     where their time went (a queue wait), as a finished request's do."""
