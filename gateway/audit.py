@@ -25,6 +25,7 @@ anyone who reaches the port could otherwise push every real record out of it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -86,6 +87,12 @@ class AuditLog:
         self._failing = False
 
     def write(self, request_id: str, started: float, status: int, entry: dict[str, Any]) -> None:
+        """Gather a request's record. Outside the request's context: the timers it may start,
+        and the lines they and the bound log, are the trail's, about no one request (they
+        carried the id and trace of whichever request's record started them)."""
+        contextvars.Context().run(self._write, request_id, started, status, entry)
+
+    def _write(self, request_id: str, started: float, status: int, entry: dict[str, Any]) -> None:
         if "key" not in entry:
             if not self._anonymous:
                 self._anonymous_since = started

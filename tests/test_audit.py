@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 import pytest
@@ -15,7 +16,7 @@ from gateway.app import make_app
 from gateway.audit import KEEP_UNWRITTEN, RETRY_S, STREAM, AuditLog, export
 from gateway.batcher import CommandBatcher
 from gateway.state import STATE
-from slogate import keys, protocol
+from slogate import keys, logs, protocol
 from slogate.config import Config
 from slogate.local_redis import LocalRedis
 from slogate.protocol import Heartbeat, ModelInfo
@@ -200,3 +201,40 @@ async def test_an_admission_refusal_is_audited_with_what_admission_decided(redis
     assert record["request_id"] == "shed-me" and record["status"] == 429
     assert record.get("decision") == reason, record
     await r.aclose()
+
+
+class JsonLines(logging.Handler):
+    """The lines a JSON log would hold, as they are emitted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logs.JsonFormatter())
+        self.lines: list[dict] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(json.loads(self.format(record)))
+
+
+async def test_the_trails_own_log_lines_carry_no_requests_id(own_redis: LocalRedis) -> None:
+    """The flush timer started in the context of the request whose record came first: the
+    warning that Redis did not take the records, and the retries' after it, carried that
+    request's id (and trace), as if they were about it."""
+    client = aioredis.Redis.from_url(own_redis.url, socket_connect_timeout=1)
+    audit = AuditLog(CommandBatcher(client), keep=100, flush_s=0.01)
+    own_redis.stop()
+    handler = JsonLines()
+    logger = logging.getLogger("slogate.gateway")
+    logger.addHandler(handler)
+    token = logs.request_id.set("req-a")
+    try:
+        audit.write("req-a", time.time(), 200, {"key": "k", "model": "m"})
+        logs.request_id.reset(token)
+        deadline = time.monotonic() + 10
+        while not [line for line in handler.lines if "could not be written" in line["msg"]]:
+            assert time.monotonic() < deadline, "the failed flush is logged"
+            await asyncio.sleep(0.02)
+    finally:
+        logger.removeHandler(handler)
+        await client.aclose()
+    [warning] = [line for line in handler.lines if "could not be written" in line["msg"]]
+    assert "request_id" not in warning
