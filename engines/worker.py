@@ -509,8 +509,9 @@ class Worker:
                     job.logprobs = []
                 if out.finish_reason is None:
                     continue
-                self.metrics.finished(out.finish_reason)
-                self._trace(job, now, out.completion_tokens, out.finish_reason, out.prompt_tokens)
+                outcome = _OUTCOMES.get(out.finish_reason, out.finish_reason)
+                self.metrics.finished(outcome)
+                self._trace(job, now, out.completion_tokens, outcome, out.prompt_tokens)
                 self._write(job, Final(
                     out.finish_reason, out.prompt_tokens, out.completion_tokens, job.attempt,
                     queue_wait_s=max(0.0, job.received_at - job.req.enqueued_at),
@@ -736,6 +737,12 @@ class Worker:
         self.metrics.claimed.inc(len(entries))
         await self._accept(entries, attempts)
 
+
+
+_OUTCOMES = {"deadline": "deadline_exceeded"}
+"""Finish reasons named as the worker's own errors for the same end (its deadline sweep, a
+request late when taken), and as the gateway names them: one outcome, counted and searched
+for as one."""
 
 
 def _text(value: bytes | str) -> str:

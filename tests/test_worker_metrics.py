@@ -7,10 +7,14 @@ import asyncio
 import time
 
 import redis.asyncio as aioredis
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from engines.base import EngineLoad, EngineRequest, StepOutput
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
-from slogate import keys, protocol
+from slogate import keys, protocol, tracing
 from slogate.protocol import GenerateRequest, SamplingParams
 from tests.test_worker_engine_failure import REPLIES, results
 
@@ -58,3 +62,61 @@ async def test_a_step_that_hands_outputs_on_midway_is_timed_once_and_whole(redis
     total = registry.get_sample_value("slogate_worker_step_seconds_sum", labels)
     assert engine.steps == 3 and count == 3
     assert total >= 3 * 2 * STEP_S, "each step's time is the whole step's, both halves"
+
+
+class EndsAtItsDeadline:
+    """An engine that finds each request past its deadline at its first step, as the paged
+    engine's own sweep does."""
+
+    name, model_id, max_context = "late", "m", 8192
+
+    def __init__(self) -> None:
+        self.held: list[EngineRequest] = []
+
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        return request
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.held.append(request)
+
+    def abort_request(self, request_id: str) -> None:
+        self.held = [r for r in self.held if r.id != request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.held)
+
+    def step(self, arrivals=None, send=None) -> list[StepOutput]:
+        done, self.held = self.held, []
+        return [StepOutput(r.id, prompt_tokens=2, finish_reason="deadline") for r in done]
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self.held), waiting=0, capacity=4)
+
+
+async def test_a_request_the_engine_ends_at_its_deadline_has_the_one_late_outcome(redis_url: str, monkeypatch) -> None:
+    """The engine's own "deadline" and the worker's "deadline_exceeded" (its sweep, or a
+    request late when taken) were two outcomes for one thing, in the metric and the spans:
+    what counted or searched for one missed the other."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(EndsAtItsDeadline(), client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=3),
+                              deadline=time.time() + 30, enqueued_at=time.time(), reply=REPLIES, prompt="hello",
+                              trace={"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"})
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        assert (await results(client, "r"))[-1].finish_reason == "deadline"
+    finally:
+        worker.stop()
+        await asyncio.wait_for(task, 5)
+        await client.aclose()
+    labels = {"pool": "p", "worker": worker.s.worker_id, "engine": "late"}
+    late = {outcome: worker.metrics.registry.get_sample_value("slogate_worker_requests_total",
+                                                                {**labels, "outcome": outcome})
+            for outcome in ("deadline", "deadline_exceeded")}
+    assert late == {"deadline": None, "deadline_exceeded": 1.0}
+    assert {s.attributes["slogate.outcome"] for s in exporter.get_finished_spans()} == {"deadline_exceeded"}
