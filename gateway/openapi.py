@@ -22,6 +22,7 @@ ERROR_STATUSES = {
     401: "Authentication is on and the API key is missing, malformed or unknown.",
     403: "The API key may not use this model.",
     404: "No live worker serves the requested model.",
+    408: "The body did not arrive within the gateway's `client_timeout_s`.",
     413: "The body exceeds the gateway's `max_body_bytes`.",
     429: "Shed by admission control or over the key's rate limit; see `Retry-After`.",
     502: "The worker failed or ended the request.",

@@ -3,11 +3,18 @@ schemas the gateway actually decodes with."""
 
 from __future__ import annotations
 
+import asyncio
+from unittest import mock
+
 import msgspec
 import pytest
+from aiohttp import streams
+from aiohttp.test_utils import make_mocked_request
 from openapi_spec_validator import validate
 
 from gateway import schema
+from gateway.completions import _read_body
+from gateway.errors import APIError
 from gateway.app import make_app
 from gateway.openapi import ERROR_STATUSES, openapi_document
 from slogate.config import Config
@@ -69,3 +76,15 @@ def test_every_error_status_answers_in_openais_error_shape(path: str) -> None:
         assert error["required"] == ["error"]
         assert set(inner["required"]) == {"message", "type", "param", "code"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+@pytest.mark.parametrize("path", COMPLETION_PATHS)
+async def test_a_body_that_never_arrives_is_a_documented_answer(path: str) -> None:
+    """The completion endpoints answer a body that does not arrive within ``client_timeout_s``
+    with a 408: the published contract, which says it lists every error they answer, must list it."""
+    protocol = mock.Mock(_reading_paused=False)
+    never = streams.StreamReader(protocol, 2**16, loop=asyncio.get_running_loop())
+    request = make_mocked_request("POST", path, headers={"Content-Length": "10"}, payload=never)
+    with pytest.raises(APIError) as refused:
+        await _read_body(request, limit=1 << 20, timeout_s=0.05)
+    assert str(refused.value.status) in DOC["paths"][path]["post"]["responses"]
