@@ -25,6 +25,7 @@ ERROR_STATUSES = {
     408: "The body did not arrive within the gateway's `client_timeout_s`.",
     413: "The body exceeds the gateway's `max_body_bytes`.",
     429: "Shed by admission control or over the key's rate limit; see `Retry-After`.",
+    500: "The worker's engine failed while serving the request, or the gateway failed unexpectedly.",
     502: "The worker failed or ended the request.",
     503: "No live worker, a paused pool, Redis unavailable, or the gateway is draining.",
     504: "The request's deadline passed before it finished.",

@@ -4,6 +4,7 @@ schemas the gateway actually decodes with."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from unittest import mock
 
 import msgspec
@@ -13,11 +14,12 @@ from aiohttp.test_utils import make_mocked_request
 from openapi_spec_validator import validate
 
 from gateway import schema
-from gateway.completions import _read_body
+from gateway.completions import _final_error, _read_body
 from gateway.errors import APIError
 from gateway.app import make_app
 from gateway.openapi import ERROR_STATUSES, openapi_document
 from slogate.config import Config
+from slogate.protocol import Error
 
 DOC = openapi_document()
 COMPLETION_PATHS = {"/v1/chat/completions": ("chat", "ChatBody"), "/v1/completions": ("completion", "CompletionBody")}
@@ -88,3 +90,13 @@ async def test_a_body_that_never_arrives_is_a_documented_answer(path: str) -> No
     with pytest.raises(APIError) as refused:
         await _read_body(request, limit=1 << 20, timeout_s=0.05)
     assert str(refused.value.status) in DOC["paths"][path]["post"]["responses"]
+
+
+@pytest.mark.parametrize("path", COMPLETION_PATHS)
+def test_an_engine_failure_is_a_documented_answer(path: str) -> None:
+    """A worker whose engine fails under a request answers it ``engine_error``, 500, which the
+    gateway passes on (as it does the gateway's own ``internal_error``): the contract lists it."""
+    job = SimpleNamespace(parsed=SimpleNamespace(messages=None))
+    err = _final_error(job, Error("the engine failed while serving this request", "engine_error", 500, attempt=1))
+    assert err is not None
+    assert str(err.status) in DOC["paths"][path]["post"]["responses"]
