@@ -46,6 +46,10 @@ class _Live:
     generator: torch.Generator | None
     matcher: Any = None
     """The llguidance matcher holding the output to its JSON schema, if it has one."""
+    compiled: Future[Any] | None = None
+    """The compile its matcher was copied from."""
+    renewed: bool = False
+    """Whether its matcher was renewed once already (:meth:`PagedEngine._renew`)."""
 
 
 @dataclass
@@ -151,7 +155,7 @@ class PagedEngine:
         compile if it has one; the error output instead if that schema cannot compile."""
         if compiled is not None:
             try:
-                live.matcher = self.grammars.start(compiled)
+                live.matcher, live.compiled = self.grammars.start(compiled), compiled
             except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
                 param = "response_format" if isinstance(exc, TokenizerUnsupported) else _schema_param(live)
                 return _error(rid, f"cannot hold the output to 'response_format': {exc}",
@@ -228,10 +232,13 @@ class PagedEngine:
             [lv.generator for lv in lives],
             [lv.tracker.token_ids for lv in lives],
             self.loaded.eos_token_ids,
-            (held, self.grammars.blocked([lives[i].matcher for i in held])) if held else None,
+            (held, self._blocked([lives[i] for i in held])) if held else None,
         )
         if held:
             self.grammars.advance([lives[i].matcher for i in held], [tokens[i] for i in held])
+            for i in held:
+                if lives[i].matcher.is_error():  # the token was allowed: its mask was computed without error
+                    self._renew(lives[i], [*lives[i].tracker.token_ids, tokens[i]])
         self.scheduler.postprocess(sched, dict(zip(sampled, tokens)))
         wanted = [i for i, lv in enumerate(lives) if lv.seq.sampling.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(lives)
@@ -241,6 +248,41 @@ class PagedEngine:
             for i, (lp, top) in zip(wanted, found):
                 logprobs[i] = TokenLogprob(*self.pieces(tokens[i]), lp, [(*self.pieces(t), v) for t, v in top])
         return list(zip(lives, tokens, logprobs))
+
+    def _blocked(self, lives: list[_Live]) -> torch.Tensor:
+        """The tokens each of ``lives`` may not take next; a matcher that failed computing its
+        mask is renewed, and its mask computed again, where :meth:`_renew` can."""
+        blocked = self.grammars.blocked([lv.matcher for lv in lives])
+        renewed = [i for i, lv in enumerate(lives) if lv.matcher.is_error() and self._renew(lv, lv.tracker.token_ids)]
+        if renewed:
+            blocked[renewed] = self.grammars.blocked([lives[i].matcher for i in renewed])
+        return blocked
+
+    def _renew(self, live: _Live, tokens: list[int]) -> bool:
+        """Give a request whose matcher failed one from a fresh compile of its schema, at
+        ``tokens``, once, where its compile gave other matchers too. They share its lexer, and
+        with it llguidance's limit on lexer states, which the requests it serves fill up one
+        after another: a 4,000-value enum failed its 24,312th request (and every one beside
+        it) at our limits. A request that met the limit by others' work goes on; one whose
+        compile served it alone met the limit by its own, and ends with the error. Waits for
+        the compile: this happens once in thousands of requests, and failing them costs more."""
+        if live.renewed or live.compiled is None or not self.grammars.shared(live.compiled):
+            return False
+        live.renewed = True
+        schema = live.seq.sampling.json_schema or ""
+        compiled = self.grammars.compile(schema)
+        if compiled is live.compiled:  # not yet renewed by a request that shared it
+            self.grammars.forget(schema)
+            compiled = self.grammars.compile(schema)
+        try:
+            matcher = self.grammars.start(compiled)
+        except Exception:  # noqa: BLE001 - the request ends with its matcher's error, as without renewal
+            return False
+        matcher.consume_tokens(tokens)
+        if matcher.is_error():
+            return False
+        live.matcher, live.compiled = matcher, compiled
+        return True
 
     def load(self) -> EngineLoad:
         return EngineLoad(

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import llguidance
 import llguidance.hf
@@ -45,6 +46,8 @@ class Grammars:
         tenths of a second, which between two steps would stall every stream."""
         self._compiled: OrderedDict[bytes, Future[Any]] = OrderedDict()
         """By digest of the schema: its compile, done or not (a failed one keeps its error)."""
+        self._starts: WeakKeyDictionary[Future[Any], int] = WeakKeyDictionary()
+        """How many matchers each compile gave (:meth:`shared`)."""
         self._keep = keep
 
     def compile(self, schema: str) -> Future[Any]:
@@ -67,7 +70,14 @@ class Grammars:
 
     def start(self, compiled: Future[Any]) -> Any:
         """A matcher of one request's own from a finished compile (raises its ValueError)."""
-        return compiled.result().deep_copy()
+        matcher = compiled.result().deep_copy()
+        self._starts[compiled] = self._starts.get(compiled, 0) + 1
+        return matcher
+
+    def shared(self, compiled: Future[Any]) -> bool:
+        """Whether ``compiled`` gave more than one matcher: they share its lexer and the limit
+        on its states, so where one fails on that limit the others' work may have filled it."""
+        return self._starts.get(compiled, 0) > 1
 
     def _build(self, schema: str) -> Any:
         """A matcher at the start of the output, its first mask computed here, on the compile

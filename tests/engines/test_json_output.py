@@ -5,6 +5,7 @@ preempted for memory, or cut by ``max_tokens``."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 from transformers import AutoTokenizer
 
@@ -330,3 +332,25 @@ def test_a_pattern_past_llguidances_limits_fails_its_request_and_is_not_kept(mak
     assert "lexer" in (refused.error or "")
     assert engine.grammars.compile(schema) is not first
     assert _result(outputs["free"])[2] == 20
+
+
+def test_a_kept_schema_serves_on_once_its_requests_have_filled_its_lexer(
+        make_engine: MakeEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies of a kept compile share its lexer, and llguidance's limit on lexer states with it,
+    which the requests it serves fill up one after another: at our limits a 4,000-value enum
+    failed its 24,312th request, and every request beside it, with a 400. Here a limit of 150
+    states, far above what one request of a 50-value enum needs, met after some 50 rounds."""
+    limits = json_output.LIMITS
+    monkeypatch.setattr(json_output, "LIMITS", llguidance.LLParserLimits(
+        max_items_in_row=limits.max_items_in_row, max_lexer_states=150, initial_lexer_fuel=limits.initial_lexer_fuel,
+        step_lexer_fuel=limits.step_lexer_fuel, verbose_errors=False))
+    rng = random.Random(0)
+    values = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8)) for _ in range(50)]
+    schema = json.dumps({"enum": values})
+    engine = make_engine()
+    for round_ in range(100):
+        outputs = _run(engine, [(f"{round_}-{i}", PROMPTS[i % 3], _sampling(schema, temperature=1.0, seed=100 * round_ + i))
+                                for i in range(8)])
+        for outs in outputs.values():
+            text, finish, _ = _result(outs)
+            assert finish == "stop" and json.loads(text) in values
