@@ -18,6 +18,7 @@ import hashlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import llguidance
 
@@ -53,22 +54,48 @@ LIMITS = llguidance.LLParserLimits(max_items_in_row=10_000, max_lexer_states=20_
   client cannot use."""
 
 _COMPACT = {"whitespace_flexible": False}
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+_INT64_EDGE = 2**63 - 512
+"""Where a number rounds to 2**63 as a double, as llguidance reads bounds."""
 
 
 def grammar(schema: str) -> str:
     """llguidance's grammar for ``schema`` (JSON text). Raises ValueError when it is not a
-    JSON object, or its ``x-guidance`` options ask for more than whitespace; whether the
-    grammar compiles is :func:`schema_error`'s question. Compile it on a thread of
-    :func:`compiler`."""
+    JSON object, its ``x-guidance`` options ask for more than whitespace, or a bound leaves no
+    64-bit integer (:func:`_check_bounds`); whether the grammar compiles is
+    :func:`schema_error`'s question. Compile it on a thread of :func:`compiler`."""
     try:
         document = json.loads(schema)
     except RecursionError:
         raise ValueError("the schema is nested too deeply") from None
+    _check_bounds(document)
     options = document.get("x-guidance") if isinstance(document, dict) else None
     if options is not None and (not isinstance(options, dict) or set(options) - {"whitespace_flexible"}):
         raise ValueError("of the 'x-guidance' options only 'whitespace_flexible' is accepted: the others "
                          "(lenient, separators, whitespace patterns) let output stray from the schema or from JSON")
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+
+
+def _check_bounds(document: Any) -> None:
+    """Refuse a lower bound at or above 2**63, or an upper one at or below -2**63: llguidance
+    holds integers to 64 bits, and beside a bound on the other side such a bound crashed the
+    whole process (SIGSEGV: ``maximum`` -2**63 with a ``minimum``, the gateway's own on its
+    check) or let a value out of range through (``minimum`` 2**63 with a ``maximum`` gave
+    9223372036854775807). Looked for anywhere, whatever the type: ``allOf`` may carry the
+    bounds apart, and llguidance refused most numbers' bounds this far out already."""
+    nodes = [document]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and (
+                        key in _LOWER_BOUNDS and value >= _INT64_EDGE or key in _UPPER_BOUNDS and -value >= _INT64_EDGE):
+                    raise ValueError(f"'{key}' is {value}: bounds must leave room for a 64-bit integer "
+                                     f"(from -2**63 to 2**63 - 1)")
+            nodes.extend(node.values())
+        elif isinstance(node, list):
+            nodes.extend(node)
 
 
 def digest(schema: str) -> bytes:

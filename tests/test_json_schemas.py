@@ -62,3 +62,25 @@ def test_a_schema_nested_past_pythons_recursion_is_a_reason_not_a_crash() -> Non
     and the error escaped as a 500."""
     nested = '{"type":"array","items":' * 990 + '{"type":"integer"}' + "}" * 990
     assert json_output.schema_error(nested) == "the schema is nested too deeply"
+
+
+def test_bounds_that_leave_no_64_bit_integer_are_a_reason_not_a_crash() -> None:
+    """llguidance holds integers to 64 bits: a ``maximum`` at -2**63 beside a ``minimum``
+    killed the process checking it (SIGSEGV, the gateway's own, on its compile thread), and a
+    ``minimum`` at 2**63 beside a ``maximum`` let 9223372036854775807 through. In a process of
+    its own, so that a regression fails this test instead of the whole run."""
+    schemas = [
+        {"type": "integer", "minimum": -(2**63), "maximum": -(2**63)},
+        {"type": "integer", "minimum": -1e19, "maximum": -9223372036854775806},
+        {"type": ["integer", "null"], "allOf": [{"minimum": -1e20}, {"exclusiveMaximum": -1e19}]},
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2**63, "maximum": 2**64}}},
+    ]
+    probe = ("import json, sys\nfrom slogate import json_output\ncompiler = json_output.compiler('probe')\n"
+             "for schema in json.loads(sys.argv[1]):\n"
+             "    print(compiler.submit(json_output.schema_error, json.dumps(schema)).result())\n")
+    result = subprocess.run([sys.executable, "-c", probe, json.dumps(schemas)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    errors = result.stdout.splitlines()
+    assert len(errors) == len(schemas) and all("64-bit integer" in e for e in errors), errors
+    assert json_output.schema_error('{"type": "integer", "minimum": 0, "maximum": 18446744073709551615}') is None

@@ -96,6 +96,9 @@ def assert_error(body: dict, param: str | None, *words: str) -> None:
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
         "name": "v", "schema": {"type": "array", "x-guidance": {"lenient": True}}}}},
      "response_format.json_schema.schema", ["only 'whitespace_flexible'"]),
+    ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "v", "schema": {"type": "integer", "minimum": -(2**63), "maximum": -(2**63)}}}},
+     "response_format.json_schema.schema", ["64-bit integer"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop": "}"}, "stop",
      ["cut the JSON short"]),
     ({"model": MODEL, "messages": MSGS, "response_format": {"type": "json_object"}, "stop_token_ids": [7]},
