@@ -58,6 +58,10 @@ _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 _INT64_EDGE = 2**63 - 512
 """Where a number rounds to 2**63 as a double, as llguidance reads bounds."""
+MAX_MULTIPLE_OF = 2**16
+"""The largest integer ``multipleOf`` accepted. Above it none compiles with a tokenizer: most
+fail at once (too many expressions), but powers of two from 2**25 on never finish, growing by
+gigabytes on the worker's one compile thread, while the tokenizer-free check passes them."""
 
 
 def grammar(schema: str) -> str:
@@ -78,7 +82,8 @@ def grammar(schema: str) -> str:
 
 
 def _check_bounds(document: Any) -> None:
-    """Refuse a lower bound at or above 2**63, or an upper one at or below -2**63: llguidance
+    """Refuse an integer ``multipleOf`` above ``MAX_MULTIPLE_OF``, a lower bound at or above
+    2**63, or an upper one at or below -2**63: llguidance
     holds integers to 64 bits, and beside a bound on the other side such a bound crashed the
     whole process (SIGSEGV: ``maximum`` -2**63 with a ``minimum``, the gateway's own on its
     check) or let a value out of range through (``minimum`` 2**63 with a ``maximum`` gave
@@ -89,10 +94,13 @@ def _check_bounds(document: Any) -> None:
         node = nodes.pop()
         if isinstance(node, dict):
             for key, value in node.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and (
-                        key in _LOWER_BOUNDS and value >= _INT64_EDGE or key in _UPPER_BOUNDS and -value >= _INT64_EDGE):
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    continue
+                if key in _LOWER_BOUNDS and value >= _INT64_EDGE or key in _UPPER_BOUNDS and -value >= _INT64_EDGE:
                     raise ValueError(f"'{key}' is {value}: bounds must leave room for a 64-bit integer "
                                      f"(from -2**63 to 2**63 - 1)")
+                if key == "multipleOf" and isinstance(value, int) and value > MAX_MULTIPLE_OF:
+                    raise ValueError(f"'multipleOf' is {value}: at most {MAX_MULTIPLE_OF} can be enforced")
             nodes.extend(node.values())
         elif isinstance(node, list):
             nodes.extend(node)

@@ -84,3 +84,16 @@ def test_bounds_that_leave_no_64_bit_integer_are_a_reason_not_a_crash() -> None:
     errors = result.stdout.splitlines()
     assert len(errors) == len(schemas) and all("64-bit integer" in e for e in errors), errors
     assert json_output.schema_error('{"type": "integer", "minimum": 0, "maximum": 18446744073709551615}') is None
+
+
+def test_a_multiple_of_beyond_what_a_grammar_can_hold_is_a_reason_not_a_hang() -> None:
+    """``multipleOf: 2**25`` passed the gateway's check, then the worker's compile with the
+    tokenizer never ended (gigabytes and growing), holding the worker's one compile thread.
+    Above 2**16 no integer ``multipleOf`` compiles (the others fail with too many expressions),
+    so they are all refused up front."""
+    for step in (2**25, 2**31, 100_000):
+        error = json_output.schema_error(json.dumps({"type": "object", "properties": {
+            "n": {"type": "integer", "multipleOf": step}}}))
+        assert error is not None and "multipleOf" in error, (step, error)
+    for step in (3, 2048, 0.5):
+        assert json_output.schema_error(json.dumps({"type": "number", "multipleOf": step})) is None, step
