@@ -19,6 +19,10 @@ class CommandBatcher:
         self.max_batch = max_batch
         self._pending: list[tuple[tuple[Any, ...], asyncio.Future[Any] | None]] = []
         self._scheduled = False
+        self._sending: set[asyncio.Task[None]] = set()
+        """The pipelines in flight. The loop holds tasks only weakly: one collected mid-flight
+        would leave its callers' futures unresolved for good (a stream slot Redis took, never
+        given back)."""
 
     def call(self, *args: Any) -> asyncio.Future[Any]:
         """Queue a command; the future holds its reply (or the Redis error)."""
@@ -40,7 +44,9 @@ class CommandBatcher:
         self._scheduled = False
         while self._pending:
             batch, self._pending = self._pending[: self.max_batch], self._pending[self.max_batch:]
-            asyncio.create_task(self._send(batch))
+            task = asyncio.create_task(self._send(batch))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any] | None]]) -> None:
         try:
