@@ -254,6 +254,7 @@ def _resources(cfg: Config):
         await ratios.save()
         await state.audit.close()
         await state.mux.close()
+        await batcher.drain()
         await reader.aclose()
         await commands.aclose()
 

@@ -34,6 +34,16 @@ class CommandBatcher:
         """Queue a command whose reply nobody waits for (clean-ups, cancels)."""
         self._queue(args, None)
 
+    async def drain(self) -> None:
+        """Wait until every command queued so far, and any a reply's callbacks queue in turn
+        (a slot given back once Redis answers its take), has had its reply. Shutdown calls it
+        before closing the connections, so clean-ups fired by the last requests are not lost."""
+        while self._pending or self._sending:
+            if self._sending:
+                await asyncio.wait(set(self._sending))
+            else:
+                await asyncio.sleep(0)
+
     def _queue(self, args: tuple[Any, ...], fut: asyncio.Future[Any] | None) -> None:
         self._pending.append((args, fut))
         if not self._scheduled:
