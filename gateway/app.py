@@ -61,10 +61,11 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
             resp = await handler(request)
         except APIError as err:
             resp = err.response()
-            if not request.get("counted"):
-                request.app[STATE].metrics.rejected.labels(str(err.status), err.code or "").inc()
+            _count_unqueued(request, err.status, err.code)
         except web.HTTPException as exc:
-            resp = _http_error(request, exc).response()
+            err = _http_error(request, exc)
+            resp = err.response()
+            _count_unqueued(request, err.status, err.code)
         except asyncio.CancelledError:
             _client_left(request, started, span)
             raise
@@ -75,6 +76,7 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
             log.exception("unhandled error serving %s %s", request.method, request.path)
             resp = APIError(500, "internal error in the gateway; the request id is in x-request-id",
                             None, "internal_error").response()
+            _count_unqueued(request, 500, "internal_error")
         if not resp.prepared:
             resp.headers["x-request-id"] = request_id
         tracing.set_http_status(span, resp.status)
@@ -85,7 +87,16 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
 def _client_left(request: web.Request, started: float, span: Span | None) -> None:
     log.info("the client closed the connection during %s %s", request.method, request.path)
     tracing.set_http_status(span, CLIENT_CLOSED)
+    _count_unqueued(request, CLIENT_CLOSED, "cancelled")
     _audit(request, started, CLIENT_CLOSED)
+
+
+def _count_unqueued(request: web.Request, status: int, code: str | None) -> None:
+    """A request that ended before it was queued, whatever ended it (a refusal, a client that
+    left, a failure of the gateway's), in ``slogate_rejected_requests_total``: one queued is in
+    ``slogate_requests_total`` by its outcome, so that every request is in one of the two."""
+    if not request.get("counted"):
+        request.app[STATE].metrics.rejected.labels(str(status), code or "").inc()
 
 
 CLIENT_CLOSED = 499

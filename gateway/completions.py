@@ -189,6 +189,10 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     except APIError as err:  # which class, pool and decision it failed in, as a success says
         err.headers = {**headers, **(err.headers or {})}
         raise
+    except Exception as exc:
+        if not isinstance(exc, ConnectionResetError):  # a client that left is cancelled; this, the gateway's bug
+            job.outcome, job.status = "internal_error", 500
+        raise
     finally:
         if not job.worker_done:
             state.cancel(request_id, deadline)
@@ -461,11 +465,11 @@ async def _end(request: web.Request, resp: web.StreamResponse, data: bytes, time
 
 
 NOT_THE_POOLS_FAULT = frozenset({"redis_unavailable", "result_lost", "no_live_worker", "shutting_down",
-                                 "gateway_gone"})
+                                 "gateway_gone", "internal_error"})
 """Failures that say nothing of how the pool serves, so its breaker does not count them: a pool
 left without workers (its breaker would then refuse the batch that may queue for a restarted
 worker, and keep probing for minutes once one is back), Redis (down, records lost on their
-way, or this gateway's liveness key lapsing in it), this gateway's drain."""
+way, or this gateway's liveness key lapsing in it), this gateway's drain or its own bug."""
 
 
 def _observe(job: _Job) -> None:

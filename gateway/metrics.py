@@ -59,7 +59,8 @@ class GatewayMetrics:
         self.in_flight = Gauge("slogate_gateway_requests_in_flight", "Requests open at this gateway", registry=r)
         self.held = Gauge("slogate_requests_held", "Batch requests this gateway holds back before queueing, "
                           "while interactive load is high", registry=r)
-        self.rejected = Counter("slogate_rejected_requests", "Requests refused before queueing",
+        self.rejected = Counter("slogate_rejected_requests", "Requests that ended before queueing: refused, "
+                                "failed in the gateway (500) or left by their client (499)",
                                 ["status", "code"], registry=r)
         self.admission = Counter("slogate_admission_decisions", "Admission decisions",
                                  ["class", "decision", "reason"], registry=r)

@@ -1,0 +1,100 @@
+"""What the gateway's metrics and traces say of a request however it ends: before it was queued,
+or in a stream whose status was already sent. A real gateway, Redis and sim worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+
+from engines.sim import create
+from engines.worker import Worker, WorkerSettings
+from gateway import openai_shapes, schema
+from gateway.app import make_app
+from gateway.state import STATE, GatewayState
+from slogate import keys
+from slogate.config import Config
+from slogate.tasks import cancel_and_wait
+
+MODEL = "slogate-sim"
+
+
+@contextlib.asynccontextmanager
+async def gateway(redis_url: str, decode_base_s: float = 0.02) -> AsyncIterator[TestClient]:
+    """A gateway that queues whatever it is sent, in front of one sim worker on pool interactive."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=decode_base_s), client,
+                    WorkerSettings(pool="interactive", heartbeat_interval_s=0.1))
+    running = asyncio.create_task(worker.run())
+    try:
+        while not await client.smembers(keys.WORKERS):
+            await asyncio.sleep(0.01)
+        cfg = Config(redis_url=redis_url, admission_control=False, worker_poll_s=0.1)
+        async with TestClient(TestServer(make_app(cfg))) as http:
+            yield http
+    finally:
+        await cancel_and_wait([running])
+        await client.aclose()
+
+
+def state_of(http: TestClient) -> GatewayState:
+    return http.server.app[STATE]
+
+
+def refused(state: GatewayState, status: str, code: str) -> float:
+    return state.metrics.registry.get_sample_value(
+        "slogate_rejected_requests_total", {"status": status, "code": code}) or 0.0
+
+
+async def eventually(check, timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def test_a_client_that_leaves_before_its_request_is_queued_is_counted(redis_url: str) -> None:
+    """It hangs up while its body is still coming: counted as a 499, as the audit trail has it."""
+    async with gateway(redis_url) as http:
+        state = state_of(http)
+        reader, writer = await asyncio.open_connection(http.server.host, http.server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        await writer.drain()
+        assert await eventually(lambda: state.handling == 1)
+        writer.close()
+        await writer.wait_closed()
+        assert await eventually(lambda: refused(state, "499", "cancelled") == 1), \
+            state.metrics.registry.get_sample_value("slogate_rejected_requests_total")
+
+
+async def test_a_gateway_failure_before_queueing_is_counted(redis_url: str, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in parsing")
+
+    monkeypatch.setattr(schema, "parse", broken)
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert resp.status == 500
+        assert refused(state_of(http), "500", "internal_error") == 1
+
+
+async def test_a_gateway_failure_after_queueing_is_counted_as_one(redis_url: str, monkeypatch) -> None:
+    """The client got a 500: counted as that, not by what the worker said (``length``), nor as a
+    client that left (``cancelled``, what a request that failed before its last record was)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in shaping the answer")
+
+    monkeypatch.setattr(openai_shapes, "full_response", broken)
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert resp.status == 500
+        outcomes = {s.labels["outcome"]: s.value for m in state_of(http).metrics.requests.collect()
+                    for s in m.samples if s.name.endswith("_total")}
+        assert outcomes == {"internal_error": 1}
