@@ -80,6 +80,8 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
         if not resp.prepared:
             resp.headers["x-request-id"] = request_id
         tracing.set_http_status(span, resp.status)
+        if (failed := request.get("stream_error")) is not None:
+            tracing.set_stream_error(span, failed.status, failed.code)
     _audit(request, started, resp.status)
     return resp
 

@@ -444,6 +444,7 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     except APIError as err:
         if resp is None:  # nothing sent yet: the error is the answer, with its own status
             raise
+        request["stream_error"] = err  # for the request's span, whose status says 200
         out.append(shapes.sse_error(err.body()))
     out.append(shapes.DONE)
     await _end(request, resp, b"".join(out), job.state.cfg.client_timeout_s)

@@ -96,6 +96,17 @@ def set_http_status(span: Span | None, status: int) -> None:
         span.set_status(StatusCode.ERROR)
 
 
+def set_stream_error(span: Span | None, status: int, code: str | None) -> None:
+    """A failure a stream told in an error event, its 200 already sent: the span says it as the
+    status would have (an error from 500 up), with the error's code, so that a stream that failed
+    is not searched for as a success."""
+    if span is None:
+        return
+    span.set_attribute("error.type", code or str(status))
+    if status >= 500:
+        span.set_status(StatusCode.ERROR, code)
+
+
 def inject() -> dict[str, str]:
     """The current trace context, to carry inside a queued message."""
     if _tracer is None:

@@ -10,13 +10,17 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
 
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from gateway import openai_shapes, schema
 from gateway.app import make_app
 from gateway.state import STATE, GatewayState
-from slogate import keys
+from slogate import keys, tracing
 from slogate.config import Config
 from slogate.tasks import cancel_and_wait
 
@@ -98,3 +102,28 @@ async def test_a_gateway_failure_after_queueing_is_counted_as_one(redis_url: str
         outcomes = {s.labels["outcome"]: s.value for m in state_of(http).metrics.requests.collect()
                     for s in m.samples if s.name.endswith("_total")}
         assert outcomes == {"internal_error": 1}
+
+
+async def late_stream(http: TestClient) -> str:
+    """A stream whose deadline passes after its first tokens: a 200, then an error event."""
+    resp = await http.post("/v1/completions", headers={"x-slogate-timeout": "0.5"},
+                           json={"model": MODEL, "prompt": "hi", "max_tokens": 1000, "stream": True})
+    assert resp.status == 200
+    body = (await resp.read()).decode()
+    assert '"text"' in body and '"deadline_exceeded"' in body, body
+    return resp.headers["x-request-id"]
+
+
+async def test_a_stream_that_fails_after_its_status_was_sent_is_an_error_in_its_trace(redis_url: str,
+                                                                                      monkeypatch) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    async with gateway(redis_url) as http:
+        request_id = await late_stream(http)
+    [span] = [s for s in exporter.get_finished_spans()
+              if s.kind == SpanKind.SERVER and s.attributes["slogate.request_id"] == request_id]
+    assert span.attributes["http.response.status_code"] == 200
+    assert span.status.status_code == StatusCode.ERROR
+    assert span.attributes["error.type"] == "deadline_exceeded"
