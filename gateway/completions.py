@@ -482,6 +482,8 @@ def _observe(job: _Job) -> None:
     m = job.state.metrics.series(*job.labels)
     m.prompt_tokens.inc(job.prompt_tokens)
     m.generation_tokens.inc(job.completion_tokens)
+    if job.first_token_at:  # it reached the client: a real first token, however the rest ended
+        m.ttft.observe(job.first_token_at - job.arrived)
     rec = job.final
     if rec is None:
         if job.status >= 500:  # failed or late: counted where the latencies are, and missed
@@ -501,10 +503,8 @@ def _observe(job: _Job) -> None:
     if job.gen.cls == "interactive":
         latency = (job.first_token_at or end) - job.arrived if job.parsed.stream else e2e
         (m.met if latency <= job.state.admission.objective(job.parsed.stream) else m.missed).inc()
-    if job.first_token_at:
-        m.ttft.observe(job.first_token_at - job.arrived)
-        if rec.completion_tokens > 1:
-            m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
+    if job.first_token_at and rec.completion_tokens > 1:
+        m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
     job.state.admission.prompt_tokens.observe(job.parsed.model, job.key, job.parsed.prompt_chars,
                                               len(job.parsed.messages or ()), rec.prompt_tokens)
     # From arrival, as the first token is: the gateway's own time before queueing is a wait,

@@ -106,7 +106,7 @@ async def test_a_gateway_failure_after_queueing_is_counted_as_one(redis_url: str
 
 async def late_stream(http: TestClient) -> str:
     """A stream whose deadline passes after its first tokens: a 200, then an error event."""
-    resp = await http.post("/v1/completions", headers={"x-slogate-timeout": "0.5"},
+    resp = await http.post("/v1/completions", headers={"x-slogate-timeout": "1", "x-slogate-class": "interactive"},
                            json={"model": MODEL, "prompt": "hi", "max_tokens": 1000, "stream": True})
     assert resp.status == 200
     body = (await resp.read()).decode()
@@ -127,3 +127,13 @@ async def test_a_stream_that_fails_after_its_status_was_sent_is_an_error_in_its_
     assert span.attributes["http.response.status_code"] == 200
     assert span.status.status_code == StatusCode.ERROR
     assert span.attributes["error.type"] == "deadline_exceeded"
+
+
+async def test_a_stream_that_fails_after_its_first_token_has_its_time_to_first_token(redis_url: str) -> None:
+    """The first token reached its client: a real time to first token, however the stream ended."""
+    async with gateway(redis_url) as http:
+        await late_stream(http)
+        labels = {"class": "interactive", "pool": "interactive", "model": MODEL}
+        registry = state_of(http).metrics.registry
+        assert registry.get_sample_value("slogate_requests_total", {**labels, "outcome": "deadline_exceeded"}) == 1
+        assert registry.get_sample_value("slogate_time_to_first_token_seconds_count", labels) == 1
