@@ -33,7 +33,7 @@ from engines.engine_process import EngineDied, EngineProcess
 from engines.engine_thread import EngineThread
 from engines.metrics import WorkerMetrics
 from engines.stepping import Step
-from slogate import keys, protocol, tracing
+from slogate import keys, logs, protocol, tracing
 from slogate.config import DEFAULT_REDIS_URL, Config, redacted
 from slogate.crypto import Sealer, SealError
 from slogate.heap import freeze_startup_heap
@@ -270,8 +270,14 @@ class Worker:
         try:
             return self.engine.prepare(request)
         except Exception:  # an engine whose prepare breaks its promise: add_request will tokenize
-            log.exception("preparing request %s failed; the engine tokenizes it itself", request.id)
+            log.exception("preparing request %s failed; the engine tokenizes it itself", request.id,
+                          extra=self._about(request.id))
             return request
+
+    def _about(self, request_id: str) -> dict[str, str | None]:
+        """``extra`` for a line about a request held here: its gateway's request id."""
+        job = self.inflight.get(request_id)
+        return logs.about(job.req.request_id if job is not None else None)
 
     async def _prepare(self, requests: list[EngineRequest]) -> None:
         """Tokenize long prompts on a thread of its own (the tokenizer releases the GIL),

@@ -165,7 +165,8 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=time.time(), reply=state.mux.key, prompt=parsed.prompt,
-        messages=parsed.messages, stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive)
+        messages=parsed.messages, stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive,
+        request_id=request["request_id"])
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": decision.reason}
     job = _Job(state, parsed, gen, state.mux.subscribe(request_id, parsed.stream, pool), arrived, headers,

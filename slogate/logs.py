@@ -1,5 +1,6 @@
 """Logging: one JSON object a line, carrying the request id and trace id of the request being
-served, so a log line can be joined to its trace and to the client's ``x-request-id``."""
+served (or the one a line is :func:`about`), so a log line can be joined to its trace and to the
+client's ``x-request-id``."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        rid = request_id.get()
+        rid = getattr(record, "request_id", None) or request_id.get()
         if rid:
             entry["request_id"] = rid
         trace_id = tracing.current_trace_id()
@@ -31,6 +32,12 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
+
+
+def about(rid: str | None) -> dict[str, str | None]:
+    """``extra`` for a line about one request logged outside its context (a worker serves many
+    at once from one task): the line carries the request's id, as the gateway's lines about it do."""
+    return {"request_id": rid}
 
 
 def setup(level: str, fmt: str = "json") -> None:

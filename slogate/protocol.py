@@ -100,6 +100,9 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
     alive: str | None = None
     """The key its gateway keeps set while it runs (``keys.alive``); a worker stops the request
     once the key is gone. None: no key to watch (a gateway that does not set one)."""
+    request_id: str | None = None
+    """The gateway's request id (the client's ``x-request-id``), which the gateway's log lines
+    about the request carry: a worker's carry it too, so one request can be followed in both."""
     v: int = VERSION
 
 

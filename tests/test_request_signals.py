@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -15,12 +17,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from engines.sim import create
+from engines.base import Engine, EngineRequest
+from engines.sim import SimEngine, create
 from engines.worker import Worker, WorkerSettings
 from gateway import openai_shapes, schema
 from gateway.app import make_app
 from gateway.state import STATE, GatewayState
-from slogate import keys, tracing
+from slogate import keys, logs, tracing
 from slogate.config import Config
 from slogate.tasks import cancel_and_wait
 
@@ -28,10 +31,10 @@ MODEL = "slogate-sim"
 
 
 @contextlib.asynccontextmanager
-async def gateway(redis_url: str, decode_base_s: float = 0.02) -> AsyncIterator[TestClient]:
-    """A gateway that queues whatever it is sent, in front of one sim worker on pool interactive."""
+async def gateway(redis_url: str, engine: Engine | None = None) -> AsyncIterator[TestClient]:
+    """A gateway that queues whatever it is sent, in front of one worker on pool interactive."""
     client = aioredis.Redis.from_url(redis_url)
-    worker = Worker(create(decode_base_s=decode_base_s), client,
+    worker = Worker(engine or create(decode_base_s=0.02), client,
                     WorkerSettings(pool="interactive", heartbeat_interval_s=0.1))
     running = asyncio.create_task(worker.run())
     try:
@@ -137,3 +140,23 @@ async def test_a_stream_that_fails_after_its_first_token_has_its_time_to_first_t
         registry = state_of(http).metrics.registry
         assert registry.get_sample_value("slogate_requests_total", {**labels, "outcome": "deadline_exceeded"}) == 1
         assert registry.get_sample_value("slogate_time_to_first_token_seconds_count", labels) == 1
+
+
+class UnpreparedEngine(SimEngine):
+    """The sim engine, with a ``prepare`` that breaks its promise never to raise."""
+
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        raise RuntimeError("a bug in the tokenizer")
+
+
+async def test_a_workers_line_about_a_request_carries_the_gateways_request_id(redis_url: str, caplog) -> None:
+    """The id the gateway's own lines about it carry (the client's x-request-id): one request
+    can be followed from the gateway's log into the worker's."""
+    caplog.set_level(logging.WARNING)
+    async with gateway(redis_url, UnpreparedEngine(model_id=MODEL)) as http:
+        resp = await http.post("/v1/completions", headers={"x-request-id": "follow-me"},
+                               json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert resp.status == 200  # the engine tokenizes it itself
+    [line] = [r for r in caplog.records if r.name == "slogate.worker" and "preparing request" in r.getMessage()]
+    assert line.request_id == "follow-me"
+    assert json.loads(logs.JsonFormatter().format(line))["request_id"] == "follow-me"
