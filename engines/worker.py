@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 import msgspec
 import redis.asyncio as aioredis
 from prometheus_client import start_http_server
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engines.base import LONG_PROMPT_CHARS, Engine, EngineRequest, StepOutput
 from engines.engine_process import EngineDied, EngineProcess
@@ -52,6 +60,13 @@ class LoopFailed(Exception):
     restart it. Not the loop's own error, which may be a ValueError or RuntimeError, what the
     CLI takes for a worker that cannot start as configured (exit code 2, for which ``slogate
     up`` stops the stack instead)."""
+
+
+class QueueUnusable(LoopFailed):
+    """Redis refuses the pool's queue for a reason that retrying cannot fix (the key holds
+    another type, the ACL forbids it). The worker ends as for a failed loop, naming the key and
+    the reason, where it retried for good and served nothing; restarted, it tries again, once
+    someone has fixed the key."""
 
 
 @dataclass
@@ -154,9 +169,9 @@ class Worker:
         self._stopping.set()
 
     async def _ensure_group(self) -> None:
-        """Create the pool's consumer group, until Redis takes it: error replies included (a
-        failover's READONLY, a full disk's MISCONF), which ended the worker's start, or its
-        intake after a Redis that restarted empty."""
+        """Create the pool's consumer group, until Redis takes it: error replies that pass
+        included (a failover's READONLY, a full disk's MISCONF), which ended the worker's start,
+        or its intake after a Redis that restarted empty."""
         while True:
             try:
                 await self.redis.xgroup_create(self.queue, keys.GROUP, id="0", mkstream=True)
@@ -164,6 +179,8 @@ class Worker:
             except (RedisError, OSError) as exc:
                 if "BUSYGROUP" in str(exc):
                     return
+                if not _passes(exc):
+                    raise QueueUnusable(f"cannot use {self.queue} as pool {self.s.pool}'s queue: {exc}") from exc
                 log.warning("cannot join %s (%s); retrying", self.queue, exc)
                 await asyncio.sleep(0.5)
 
@@ -776,6 +793,20 @@ GATEWAY_GONE = Error("the workers took this gateway for gone and stopped the req
 """What a request stopped for its gateway's lapsed key is told: nobody reads it if the gateway is
 gone, but one that lives (its renewals refused by a Redis out of memory) would otherwise wait for
 the request's deadline, an hour for batch."""
+
+
+_PASSING = (OSError, RedisConnectionError, RedisTimeoutError, ReadOnlyError, OutOfMemoryError, TryAgainError,
+            ClusterDownError)
+"""Errors that go away without anyone's doing: a lost connection, a Redis loading its data
+(``BusyLoadingError`` is a ``ConnectionError``), a failover, memory or a cluster slot that
+frees."""
+_PASSING_CODES = frozenset({"BUSY", "MISCONF", "NOREPLICAS"})
+"""The same among the error replies redis-py leaves as ``ResponseError``: a long script, a
+disk that refuses the snapshot, replicas that are not there yet."""
+
+
+def _passes(exc: Exception) -> bool:
+    return isinstance(exc, _PASSING) or str(exc).split(" ", 1)[0] in _PASSING_CODES
 
 
 def _queue_gone(exc: Exception) -> bool:
