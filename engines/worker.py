@@ -42,7 +42,7 @@ from engines.engine_thread import EngineThread
 from engines.metrics import WorkerMetrics
 from engines.stepping import Step
 from slogate import keys, logs, protocol, tracing
-from slogate.config import DEFAULT_REDIS_URL, Config, redacted
+from slogate.config import DEFAULT_REDIS_URL, Config, redacted, redis_keepalive
 from slogate.crypto import Sealer, SealError
 from slogate.heap import freeze_startup_heap
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo, TokenLogprob
@@ -53,6 +53,12 @@ log = logging.getLogger("slogate.worker")
 SEND_ON_DEATH_S = 5.0
 """How long a worker whose engine died keeps trying to send what it reported (Redis may be
 slow or away); what is not sent by then stays pending, for another worker to run again."""
+
+INTAKE_BLOCK_MS = 500
+"""How long the intake's XREADGROUP waits in Redis for a request."""
+READ_TIMEOUT_S = 5.0
+"""How long the worker waits for a reply from Redis: past ``INTAKE_BLOCK_MS``, so an idle
+intake never times out."""
 
 
 class LoopFailed(Exception):
@@ -217,7 +223,7 @@ class Worker:
                 continue
             try:
                 resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
-                                                   count=room, block=500)
+                                                   count=room, block=INTAKE_BLOCK_MS)
             except (RedisError, OSError) as exc:  # error replies included: a failover's READONLY, a full disk's MISCONF
                 if "NOGROUP" in str(exc):
                     log.warning("%s lost its consumer group (Redis restarted empty?); recreating it", self.queue)
@@ -815,6 +821,15 @@ def _queue_gone(exc: Exception) -> bool:
     return "NOGROUP" in str(exc) or "no such key" in str(exc)
 
 
+def worker_redis(url: str) -> aioredis.Redis:
+    """The worker's client, with reads that time out: a Redis cut off without a word (a network
+    partition, a failover to another host) otherwise held the intake, the heartbeat and the
+    sends on their replies for good (redis-py before 8.0 sets no read timeout). Its cancel
+    subscription reads without one whatever is set here; keepalive probes break it over TCP."""
+    return aioredis.Redis.from_url(url, max_connections=16, socket_connect_timeout=2, socket_timeout=READ_TIMEOUT_S,
+                                   health_check_interval=10, **redis_keepalive(url))
+
+
 async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, grace_s: float = 30.0,
                      metrics_port: int = 0) -> None:
     """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
@@ -827,8 +842,7 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
         log.warning("pool %r is not in the configuration, whose pools are %s: gateways that read the same "
                     "configuration route to it only a model no configured pool serves, and only with admission "
                     "control off", pool, ", ".join(cfg.pools))
-    redis = aioredis.Redis.from_url(url, max_connections=16,
-                                    socket_connect_timeout=2, health_check_interval=10)
+    redis = worker_redis(url)
     worker = Worker(engine, redis, WorkerSettings(
         pool=pool, heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_ttl_s=cfg.heartbeat_ttl_s,
         claim_idle_s=cfg.claim_idle_s, engine_stall_s=cfg.engine_stall_s, stall_pause_s=cfg.stall_pause_s,

@@ -32,7 +32,7 @@ from gateway.state import STATE, GatewayState
 from gateway.workers import WorkerDirectory
 from policies.admission import AdmissionController
 from slogate import logs, tracing
-from slogate.config import DEFAULT_REDIS_URL, Config, redacted
+from slogate.config import DEFAULT_REDIS_URL, Config, redacted, redis_keepalive
 from slogate.crypto import Sealer
 from slogate.heap import freeze_startup_heap
 from slogate.tasks import cancel_and_wait
@@ -222,28 +222,13 @@ def make_app(cfg: Config) -> web.Application:
     return app
 
 
-def _reader_keepalive(url: str) -> dict[str, object]:
-    """TCP keepalive probes for the result reader, which blocks in XREAD and sets no read
-    timeout (one would cost a task per read under Python 3.11): a Redis that a network fault
-    cut off silently would otherwise hang it for good, and with it every stream and the
-    gateway's ``alive`` key. Probes start after 5 s of silence; 3 unanswered ones, 1 s apart,
-    break the connection, and the reader reconnects. A command sent and not acknowledged for 8 s
-    (when no probes go) breaks it too (``TCP_USER_TIMEOUT``, where there is one)."""
-    if not url.startswith(("redis://", "rediss://")):
-        return {}
-    options = {getattr(socket, name): value for name, value in
-               (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 8000))
-               if hasattr(socket, name)}
-    return {"socket_keepalive": True, "socket_keepalive_options": options}
-
-
 def _resources(cfg: Config):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         url = cfg.redis_url or DEFAULT_REDIS_URL
         commands = aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2,
                                            socket_timeout=5, health_check_interval=10)
         reader = aioredis.Redis.from_url(url, single_connection_client=True,
-                                         socket_connect_timeout=2, socket_timeout=None, **_reader_keepalive(url))
+                                         socket_connect_timeout=2, socket_timeout=None, **redis_keepalive(url))
         batcher = CommandBatcher(commands)
         sealer = Sealer.from_text(cfg.encryption_keys)
         state = GatewayState(

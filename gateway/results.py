@@ -202,7 +202,7 @@ class ResultMux:
 
     async def close(self) -> None:
         """Delete the stream and ``alive`` through the commands' connections, whose reads time
-        out: the reader's has no read timeout (``gateway.app._reader_keepalive``), and a Redis
+        out: the reader's has no read timeout (``slogate.config.redis_keepalive``), and a Redis
         that stopped answering held the gateway's exit on it for good (over a Unix socket no
         keepalive probe ever breaks it). Left behind, both expire."""
         try:

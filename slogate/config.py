@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -137,6 +138,23 @@ def redacted(url: str) -> str:
         url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
     base, mark, query = url.partition("?")
     return base + mark + re.sub(r"(^|&)(password=)[^&#]*", r"\1\2***", query, flags=re.IGNORECASE)
+
+
+def redis_keepalive(url: str) -> dict[str, object]:
+    """TCP keepalive probes for connections that block in a read without a timeout: the
+    gateway's result reader in XREAD (a read timeout would cost a task per read under Python
+    3.11) and a worker's cancel subscription (redis-py's pub/sub reads without one). A Redis
+    that a network fault cut off silently would otherwise hang them for good: the gateway's
+    every stream and its ``alive`` key, the worker's cancels. Probes start after 5 s of silence;
+    3 unanswered ones, 1 s apart, break the connection, and its reader reconnects. A command
+    sent and not acknowledged for 8 s (when no probes go) breaks it too (``TCP_USER_TIMEOUT``,
+    where there is one)."""
+    if not url.startswith(("redis://", "rediss://")):
+        return {}
+    options = {getattr(socket, name): value for name, value in
+               (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 8000))
+               if hasattr(socket, name)}
+    return {"socket_keepalive": True, "socket_keepalive_options": options}
 
 
 def load_config(path: str | Path | None = None, env: dict[str, str] | None = None,

@@ -11,6 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.batcher import CommandBatcher
 from gateway.results import QUIET, ResultMux
 from slogate import protocol
+from slogate.config import redis_keepalive
 from slogate.crypto import Sealer
 from slogate.protocol import Delta, Error, Final
 from slogate.tasks import cancel_and_wait
@@ -147,11 +148,9 @@ async def test_the_reader_connection_probes_a_silent_redis_over_tcp(redis_server
     silently: over TCP, the kernel's keepalive probes break such a connection."""
     import socket
 
-    from gateway.app import _reader_keepalive
-
-    assert _reader_keepalive("unix:///run/redis.sock?db=0") == {}, "a local socket has no network to fail"
+    assert redis_keepalive("unix:///run/redis.sock?db=0") == {}, "a local socket has no network to fail"
     url = redis_server.tcp_url
-    reader = aioredis.Redis.from_url(url, single_connection_client=True, **_reader_keepalive(url))
+    reader = aioredis.Redis.from_url(url, single_connection_client=True, **redis_keepalive(url))
     try:
         await reader.ping()
         sock = reader.connection._writer.get_extra_info("socket")
