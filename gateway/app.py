@@ -18,6 +18,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from gateway import completions, prompt_ratios
 from gateway.audit import AuditLog
@@ -222,11 +224,19 @@ def make_app(cfg: Config) -> web.Application:
     return app
 
 
+def commands_redis(url: str) -> aioredis.Redis:
+    """The client for the gateway's commands, which retries none: a pipeline whose reply was
+    lost may have run (an XADD queued a request, a stream slot taken), and sent again it would
+    run twice, the request for two workers. Its caller gets the error (a 503 to retry). This is
+    what ``from_url`` gives in redis-py 8.1, said outright, since ``Redis()`` retries 10 times."""
+    return aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2, socket_timeout=5,
+                                   health_check_interval=10, retry=Retry(NoBackoff(), 0))
+
+
 def _resources(cfg: Config):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         url = cfg.redis_url or DEFAULT_REDIS_URL
-        commands = aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2,
-                                           socket_timeout=5, health_check_interval=10)
+        commands = commands_redis(url)
         reader = aioredis.Redis.from_url(url, single_connection_client=True,
                                          socket_connect_timeout=2, socket_timeout=None, **redis_keepalive(url))
         batcher = CommandBatcher(commands)

@@ -8,6 +8,7 @@ import asyncio
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.app import commands_redis
 from gateway.batcher import CommandBatcher
 from gateway.results import QUIET, ResultMux
 from slogate import protocol
@@ -80,7 +81,7 @@ async def test_the_reader_stops_when_cancelled_as_it_starts_a_read(redis_url: st
 async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_redis) -> None:
     """A dropped connection or a restart: the reader picks up where it was, and the waiting
     requests go on; only an outage longer than the grace fails them (503)."""
-    client = aioredis.Redis.from_url(own_redis.tcp_url)  # over TCP a closed connection shows only when used
+    client = commands_redis(own_redis.tcp_url)  # over TCP a closed connection shows only when used
     writer = aioredis.Redis.from_url(own_redis.url)
     reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
     batcher = CommandBatcher(client)

@@ -15,52 +15,9 @@ from slogate import keys, protocol
 from slogate.local_redis import LocalRedis
 from slogate.protocol import Final, GenerateRequest, SamplingParams
 from slogate.tasks import cancel_and_wait
+from tests.redis_relay import Relay
 
 REPLIES = keys.replies("test-gateway")
-
-
-class Relay:
-    """A TCP relay to Redis. :meth:`cut` silences the connections open at the time, as a
-    partition does (nothing passes either way, nothing closes); connections opened later pass."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.url = ""
-        self._live: list[list[bool]] = []
-        self._writers: list[asyncio.StreamWriter] = []
-        self._server: asyncio.Server | None = None
-
-    async def start(self) -> Relay:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.url = f"redis://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/0"
-        return self
-
-    def cut(self) -> None:
-        for live in self._live:
-            live[0] = False
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.close()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-        live = [True]
-        self._live.append(live)
-        self._writers += [writer, up_writer]
-        await asyncio.gather(_pipe(reader, up_writer, live), _pipe(up_reader, writer, live), return_exceptions=True)
-
-
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, live: list[bool]) -> None:
-    try:
-        while data := await src.read(65536):
-            if live[0]:
-                dst.write(data)
-                await dst.drain()
-    finally:
-        dst.close()
 
 
 async def served(client: aioredis.Redis, request_id: str, within_s: float) -> bool:
