@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
@@ -301,6 +301,47 @@ class MalformedHttpAtInfo(logging.Filter):
         return logging.getLogger().isEnabledFor(logging.INFO)
 
 
+def malformed_http(exc: HttpProcessingError) -> APIError:
+    """A request aiohttp could not parse, as every other client mistake is answered. A request
+    line over the limit (a long URL) and a header over it are one error in aiohttp, with one
+    limit: one 400 names both (431 would be wrong for the URL, 414 for the header)."""
+    if isinstance(exc, LineTooLong):
+        return APIError(400, f"a header, or the request line (its URL), is longer than the {exc.args[1]} bytes "
+                             "allowed", None, "header_too_large")
+    detail = _hide_raw(exc.message).partition("\n")[0].rstrip(":") or "it cannot be parsed"
+    return APIError(400, f"malformed HTTP request: {detail}", None, "malformed_http")
+
+
+class _JsonErrorsHandler(web.RequestHandler):
+    """aiohttp answers a request it cannot parse before any middleware runs, in plain text;
+    this answers it in OpenAI's shape. aiohttp has no option for it (aio-libs/aiohttp#3287)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs it; refuses once an answer began
+        if not isinstance(exc, HttpProcessingError):
+            return plain
+        resp = malformed_http(exc).response()
+        resp.force_close()  # what follows on the connection cannot be trusted to start a request
+        return resp
+
+
+class _JsonErrorsServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _JsonErrorsHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose connections answer unparseable requests in OpenAI's shape."""
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()
+        return _JsonErrorsServer(plain.request_handler, request_factory=plain.request_factory,
+                                 handler_cancellation=plain.handler_cancellation, **plain._kwargs)
+
+
 async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish."""
     tracing.setup("slogate-gateway")
@@ -312,8 +353,8 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     app = make_app(cfg)
     # Open requests get ``grace_s`` below; what is still open after it is cut off (aiohttp's
     # own wait for handlers, 60 s by default, would stretch the grace past what was asked).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5,
-                           keepalive_timeout=cfg.client_timeout_s)
+    runner = _Runner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5,
+                     keepalive_timeout=cfg.client_timeout_s)
     await runner.setup()
     await web.SockSite(runner, listening).start()
     freeze_startup_heap()

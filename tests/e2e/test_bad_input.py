@@ -239,11 +239,36 @@ async def test_too_many_messages(stack: Stack) -> None:
     assert_error(resp, "messages", "at most 256 messages")
 
 
-async def test_oversized_header_is_refused_and_gateway_stays_up(stack: Stack) -> None:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(stack.url + "/healthz", headers={"x-big": "a" * 20000}) as r:
-            assert r.status == 400
-            assert "8190 bytes" in await r.text()
+async def raw(stack: Stack, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """The answer to bytes that an HTTP client would not send, over a socket of its own."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+@pytest.mark.parametrize("head,code,words", [
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nx-big: " + b"a" * 9000 + b"\r\n\r\n",
+     "header_too_large", ["header", "8190 bytes"]),
+    (b"GET /healthz?q=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "header_too_large", ["URL", "8190 bytes"]),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n",
+     "malformed_http", ["malformed HTTP", "Content-Length"]),
+], ids=["header", "url", "content-length"])
+async def test_a_request_aiohttp_cannot_parse_gets_an_openai_error(stack: Stack, head: bytes, code: str,
+                                                                   words: list[str]) -> None:
+    """aiohttp answers these before any middleware runs, in plain text, unless told otherwise."""
+    status, headers, body = await raw(stack, head)
+    assert status == 400 and headers["content-type"].startswith("application/json"), body
+    resp = json.loads(body)
+    assert resp["error"]["code"] == code
+    assert_error(resp, None, *words)
     status, _, _ = await call(stack, "/healthz", method="GET")
     assert status == 200
 
