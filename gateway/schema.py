@@ -65,24 +65,45 @@ def _is_none(raw: msgspec.Raw) -> bool:
         return False
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown fields are refused by their path, as in :class:`_Common`."""
+
     type: str
     text: str | None = None
+    image_url: msgspec.Raw = _raw()
+    input_audio: msgspec.Raw = _raw()
+    file: msgspec.Raw = _raw()
+    refusal: msgspec.Raw = _raw()
+    """The other parts OpenAI has: known, so that one is refused for its ``type``."""
+    prompt_cache_breakpoint: msgspec.Raw = _raw()
+    """Accepted and without effect: a hint for OpenAI's prompt cache."""
 
 
-class Message(msgspec.Struct):
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown fields are refused by their path, as in :class:`_Common`."""
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: NAME | None = None
     tool_calls: msgspec.Raw = _raw()
     function_call: msgspec.Raw = _raw()
     """The deprecated form of ``tool_calls``."""
+    refusal: str | None = None
+    """An earlier answer's refusal: refused when set, as it would not reach the prompt."""
+    audio: msgspec.Raw = _raw()
+    """An earlier answer's audio: refused when set."""
+    tool_call_id: str | None = None
+    """Accepted and without effect: moot while tool calls are refused."""
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """Unknown fields are refused by their path, as in :class:`_Common`."""
+
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's extension: usage (tokens so far) on every chunk, not only after the last."""
+    include_obfuscation: bool = False
+    """Accepted and without effect: OpenAI's padding of chunks against length side channels."""
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -410,6 +431,12 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
             if _given(raw):
                 raise bad_request("tool calling is not supported by this gateway", f"messages[{i}].{field}",
                                   "unsupported_value")
+        if m.refusal:
+            raise bad_request("a refusal in an earlier answer is not supported by this gateway; send its text as "
+                              "'content'", f"messages[{i}].refusal", "unsupported_value")
+        if _given(m.audio):
+            raise bad_request("only text output is supported by this gateway", f"messages[{i}].audio",
+                              "unsupported_value")
         if m.content is None and m.role != "assistant":
             raise bad_request(f"a {m.role} message needs 'content'", f"messages[{i}].content",
                               "missing_required_parameter")

@@ -1,12 +1,17 @@
 """What parsing a request costs: no more than its bytes, whatever a field the gateway only
-checks for presence (or ignores) holds."""
+checks for presence (or ignores) holds; and which fields inside its objects it knows."""
 
 from __future__ import annotations
 
 import tracemalloc
 
+import msgspec
+import openai.types.chat as sdk
 import pytest
+from openai.types.chat.chat_completion_content_part_param import File
+from openai.types.shared_params.response_format_json_schema import JSONSchema
 
+from gateway import schema
 from gateway.errors import APIError
 from gateway.schema import parse
 
@@ -70,3 +75,71 @@ def test_a_name_with_a_trailing_newline_does_not_reach_the_template() -> None:
     """msgspec's pattern is re.search, and '$' matches before a final newline."""
     with pytest.raises(APIError):
         parse("chat", (CHAT % (', "name": "bob\\n"', "")).encode(), 16)
+
+
+@pytest.mark.parametrize("body,param", [
+    (CHAT % (', "foo": 1', ""), "messages[0].foo"),
+    ('{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}]}',
+     "messages[0].content[0].foo"),
+    (CHAT % ("", ', "stream": true, "stream_options": {"include_usage": true, "foo": 1}'), "stream_options.foo"),
+    (CHAT % ("", ', "response_format": {"type": "text", "foo": 1}'), "response_format.foo"),
+    (CHAT % ("", ', "response_format": {"type": "json_schema", "json_schema": {"name": "n", "foo": 1}}'),
+     "response_format.json_schema.foo"),
+])
+def test_an_unknown_field_inside_an_object_is_refused_by_its_path(body: str, param: str) -> None:
+    """As at the top level: a field this gateway does not know is refused, not ignored."""
+    with pytest.raises(APIError) as err:
+        parse("chat", body.encode(), 16)
+    assert (err.value.status, err.value.type, err.value.param, err.value.code) == (
+        400, "invalid_request_error", param, "unsupported_parameter")
+    assert f"'{param}'" in err.value.message
+
+
+def _keys(typed: type) -> set[str]:
+    return set(typed.__required_keys__ | typed.__optional_keys__)
+
+
+def _fields(struct: type) -> set[str]:
+    return {f.encode_name for f in msgspec.structs.fields(struct)}
+
+
+@pytest.mark.parametrize("sent,struct", [
+    (sdk.ChatCompletionSystemMessageParam, schema.Message), (sdk.ChatCompletionDeveloperMessageParam, schema.Message),
+    (sdk.ChatCompletionUserMessageParam, schema.Message), (sdk.ChatCompletionAssistantMessageParam, schema.Message),
+    (sdk.ChatCompletionToolMessageParam, schema.Message),
+    (sdk.ChatCompletionContentPartTextParam, schema.ContentPart),
+    (sdk.ChatCompletionContentPartImageParam, schema.ContentPart),
+    (sdk.ChatCompletionContentPartInputAudioParam, schema.ContentPart), (File, schema.ContentPart),
+    (sdk.ChatCompletionContentPartRefusalParam, schema.ContentPart),
+    (sdk.ChatCompletionStreamOptionsParam, schema.StreamOptions), (JSONSchema, schema.JsonSchemaFormat),
+])
+def test_every_field_the_openai_sdk_sends_inside_an_object_is_known(sent: type, struct: type) -> None:
+    """Known, whether it is then used, ignored or refused for what it asks: never refused as unknown."""
+    assert _keys(sent) <= _fields(struct)
+
+
+@pytest.mark.parametrize("message", [
+    '{"role": "tool", "tool_call_id": "c1", "content": "x"}',
+    '{"role": "assistant", "content": "x", "refusal": null, "audio": null, "tool_calls": null}',
+    '{"role": "user", "content": [{"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}',
+])
+def test_a_message_with_fields_known_but_without_effect_is_accepted(message: str) -> None:
+    parsed = parse("chat", f'{{"model": "m", "messages": [{message}]}}'.encode(), 16)
+    assert parsed.messages[0]["content"] == "x"
+
+
+@pytest.mark.parametrize("message,param,words", [
+    ('{"role": "assistant", "content": null, "refusal": "no"}', "messages[0].refusal", "refusal"),
+    ('{"role": "assistant", "content": null, "audio": {"id": "a1"}}', "messages[0].audio", "only text"),
+    ('{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}', "messages[0].content[0].type",
+     "only text content parts"),
+])
+def test_a_known_field_asking_for_what_the_gateway_lacks_is_refused(message: str, param: str, words: str) -> None:
+    with pytest.raises(APIError) as err:
+        parse("chat", f'{{"model": "m", "messages": [{message}]}}'.encode(), 16)
+    assert (err.value.param, err.value.code) == (param, "unsupported_value") and words in err.value.message
+
+
+def test_stream_options_openai_sends_are_accepted() -> None:
+    body = CHAT % ("", ', "stream": true, "stream_options": {"include_usage": true, "include_obfuscation": false}')
+    assert parse("chat", body.encode(), 16).include_usage
