@@ -1,11 +1,9 @@
-"""A lean HTTP/1.1 load client, for benchmarks only.
+"""A lean HTTP/1.1 load client for non-streamed POSTs, for the throughput benchmark only.
 
-At thousands of requests (or streamed chunks) a second on two cores, a general client
-(aiohttp's costs a few hundred microseconds a request, tens a chunk) becomes the bottleneck
-and measures itself. This one sends pre-encoded requests over keep-alive connections. For
-plain POSTs it reads only the status line and the Content-Length body, which is all the gateway
-benchmark needs; a streamed response is kept as it arrives, each read with its arrival time,
-and parsed once it has ended (:class:`StreamConn`).
+At thousands of requests a second on two cores, a general client (aiohttp's costs a few
+hundred microseconds a request) becomes the bottleneck and measures itself. This one sends
+pre-encoded requests over keep-alive connections and reads only the status line and the
+Content-Length body, which is all the gateway benchmark needs.
 """
 
 from __future__ import annotations
@@ -19,16 +17,14 @@ from typing import Any
 from benchmarks.loadgen import Sample, poisson_arrivals
 
 
-def encode_post(host: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> bytes:
-    data = json.dumps(body).encode()
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{extra}"
-            f"Content-Length: {len(data)}\r\n\r\n").encode()
-    return head + data
-
-
 def encode_requests(host: str, rows: list[dict[str, Any]]) -> list[bytes]:
-    return [encode_post(host, row.get("endpoint", "/v1/chat/completions"), row["body"]) for row in rows]
+    out = []
+    for row in rows:
+        body = json.dumps(row["body"]).encode()
+        head = (f"POST {row.get('endpoint', '/v1/chat/completions')} HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        out.append(head + body)
+    return out
 
 
 class _Conn(asyncio.Protocol):
@@ -68,89 +64,6 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(payload)
         return await self.waiter
-
-
-class StreamConn(asyncio.Protocol):
-    """One keep-alive connection for streamed responses, one at a time. While a response
-    streams, each read is only stored with the moment it arrived (and its ``data:`` events
-    counted, for a caller that waits for a stream to get going): no parsing and no task to wake
-    per chunk, so at 16 streams the client leaves the cores it shares with the gateway alone and
-    times each chunk as it lands rather than when a reader task next runs."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.reads: list[tuple[float, int]] = []
-        """(arrival time, the buffer's length after the read)."""
-        self.events = 0
-        self.closed = False
-        self._done: asyncio.Future[None] | None = None
-        self._head_end = 0
-        self._length: int | None = None
-        """The body's Content-Length; None for a chunked body, which ends with a zero chunk."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self._done is not None and not self._done.done():
-            self._done.set_result(None)
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        self.buf += data
-        self.reads.append((now, len(self.buf)))
-        self.events += data.count(b"data: {")
-        if not self._head_end:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            self._head_end = end + 4
-            head = bytes(self.buf[:end]).lower()
-            i = head.find(b"content-length:")
-            if i >= 0 and b"transfer-encoding: chunked" not in head:
-                j = head.find(b"\r\n", i)
-                self._length = int(head[i + 15:j if j >= 0 else len(head)])
-        ended = (len(self.buf) >= self._head_end + self._length if self._length is not None
-                 else self.buf.endswith(b"\r\n0\r\n\r\n"))
-        if ended and self._done is not None and not self._done.done():
-            self._done.set_result(None)
-
-    async def post(self, payload: bytes) -> tuple[float, int, list[tuple[float, bytes]]]:
-        """Send one request; when its response has ended: when it was sent, its status, and
-        each ``data:`` event's payload with the arrival of the read that completed it."""
-        assert self.transport is not None and not self.closed
-        self.buf, self.reads, self.events, self._head_end, self._length = bytearray(), [], 0, 0, None
-        self._done = asyncio.get_running_loop().create_future()
-        sent = time.perf_counter()
-        self.transport.write(payload)
-        await self._done
-        if not self._head_end:
-            raise ConnectionError("the connection closed before a response")
-        return sent, int(self.buf[9:12]), self._events()
-
-    def _events(self) -> list[tuple[float, bytes]]:
-        """The body's ``data:`` lines. The gateway writes whole events, so chunked framing
-        never falls inside one (an event cut by it would fail to decode, not pass unseen)."""
-        out, reads, r = [], self.reads, 0
-        at = self.buf.find(b"data: ", self._head_end)
-        while at >= 0:
-            end = self.buf.find(b"\n", at)
-            if end < 0:
-                break
-            while reads[r][1] <= end:
-                r += 1
-            out.append((reads[r][0], bytes(self.buf[at + 6:end])))
-            at = self.buf.find(b"data: ", end)
-        if not out and self._length is not None:  # an error answer, not a stream
-            out.append((self.reads[-1][0], bytes(self.buf[self._head_end:])))
-        return out
-
-
-async def connect(host: str, port: int) -> StreamConn:
-    _, conn = await asyncio.get_running_loop().create_connection(StreamConn, host, port)
-    return conn
 
 
 class Pool:

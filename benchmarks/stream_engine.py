@@ -66,13 +66,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import redis
 import torch
 import uvloop
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, TextIteratorStreamer
 
-from benchmarks import rawhttp
 from benchmarks.loadgen import markdown_table, percentile, ratio_interval
 from benchmarks.prompt_floor import PassTimes, prompts_alone, time_passes
 from engines import paged, stream
@@ -215,74 +215,65 @@ def random_prompt(tokenizer: PreTrainedTokenizerBase, rng: random.Random, tokens
 # -- through the gateway ------------------------------------------------------------------
 
 
-async def sse_stream(conn: rawhttp.StreamConn, model: str, pool: str, prompt: str, max_tokens: int,
-                     trace: Trace | None = None) -> Trace:
-    """One streamed completion on ``conn``, with the arrival of each ``data:`` chunk that
-    carries text (parsed once the stream has ended: :class:`benchmarks.rawhttp.StreamConn`)."""
+async def sse_stream(session: aiohttp.ClientSession, url: str, model: str, pool: str, prompt: str,
+                     max_tokens: int, trace: Trace | None = None) -> Trace:
+    """One streamed completion, timestamping each ``data:`` chunk that carries text into
+    ``trace`` (pass one to watch it fill while the stream runs)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    payload = rawhttp.encode_post(HOST, "/v1/completions", body, {"x-slogate-class": pool})
-    trace = trace or Trace(0.0, prompt=prompt)
-    trace.sent, trace.status, events = await conn.post(payload)
-    for at, data in events:
-        if not data.startswith(b"{"):
-            continue
-        chunk = msgspec.json.decode(data)
-        if "error" in chunk:
-            trace.status = chunk["error"].get("status") or 599
-        elif chunk["choices"] and chunk["choices"][0]["text"]:
-            trace.chunks.append(at)
-            trace.chunk_tokens.append(chunk["usage"]["completion_tokens"])
-        elif chunk.get("usage"):
-            trace.tokens = chunk["usage"]["completion_tokens"]
+    trace = trace or Trace(time.perf_counter(), prompt=prompt)
+    async with session.post(url + "/v1/completions", json=body, headers={"x-slogate-class": pool}) as resp:
+        trace.status = resp.status
+        async for line in resp.content:
+            now = time.perf_counter()
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = msgspec.json.decode(line[6:])
+            if "error" in chunk:
+                trace.status = chunk["error"].get("status") or 599
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                trace.chunks.append(now)
+                trace.chunk_tokens.append(chunk["usage"]["completion_tokens"])
+            elif chunk.get("usage"):
+                trace.tokens = chunk["usage"]["completion_tokens"]
     return trace
 
 
-HOST = "127.0.0.1"
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1].strip("/"))
-
-
 async def closed_loop(url: str, model: str, pool: str, level: Level) -> list[Trace]:
-    """One client per offset, on a keep-alive connection of its own: each starts at its offset
-    and sends its next request when the last one ends."""
+    """One client per offset: each starts at its offset and sends its next request when the
+    last one ends."""
     traces: list[Trace] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        async def client(offset: float, requests: list[tuple[str, int]]) -> None:
+            await asyncio.sleep(offset)
+            for i, (prompt, max_tokens) in enumerate(requests):
+                traces.append(await sse_stream(session, url, model, pool, prompt, max_tokens))
+                traces[-1].first = i == 0
 
-    async def client(offset: float, requests: list[tuple[str, int]]) -> None:
-        conn = await rawhttp.connect(HOST, _port(url))
-        await asyncio.sleep(offset)
-        for i, (prompt, max_tokens) in enumerate(requests):
-            traces.append(await sse_stream(conn, model, pool, prompt, max_tokens))
-            traces[-1].first = i == 0
-        conn.transport.close()
-
-    await asyncio.gather(*(client(o, r) for o, r in zip(level.offsets, level.per_client())))
+        await asyncio.gather(*(client(o, r) for o, r in zip(level.offsets, level.per_client())))
     return traces
 
 
 async def long_prefill(url: str, model: str, pool: str, shorts: list[str], long: str | None,
                        short_tokens: int, lead_chunks: int = 8) -> dict[str, Any]:
-    """Short streams run; once each has ``lead_chunks`` chunks (``data:`` events: the few
-    without text make the lead a token or so shorter) the long prompt (if any) is sent. Gaps are
-    between text chunks; the window is the long prompt's prefill (sent until its first chunk),
-    or everything after the lead without one."""
-    conns = [await rawhttp.connect(HOST, _port(url)) for _ in range(len(shorts) + 1)]
-    traces = [Trace(0.0) for _ in shorts]
-    tasks = [asyncio.create_task(sse_stream(c, model, pool, p, short_tokens, t))
-             for c, p, t in zip(conns, shorts, traces)]
-    while any(c.events < lead_chunks for c in conns[:-1]):
-        if all(task.done() for task in tasks):
-            statuses = [t.status for t in traces]
-            raise RuntimeError(f"short streams ended before {lead_chunks} chunks each: {statuses}")
-        await asyncio.sleep(0.002)
-    sent = time.perf_counter()
-    big = await sse_stream(conns[-1], model, pool, long, 1) if long else None
-    await asyncio.gather(*tasks)
-    for conn in conns:
-        conn.transport.close()
+    """Short streams run; once each has ``lead_chunks`` chunks the long prompt (if any) is
+    sent. Gaps are between text chunks; the window is the long prompt's prefill (sent until its
+    first chunk), or everything after the lead without one."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        traces = [Trace(time.perf_counter()) for _ in shorts]
+        tasks = [asyncio.create_task(sse_stream(session, url, model, pool, p, short_tokens, t))
+                 for p, t in zip(shorts, traces)]
+        while any(len(t.chunks) < lead_chunks for t in traces):
+            if all(task.done() for task in tasks):
+                statuses = [t.status for t in traces]
+                raise RuntimeError(f"short streams ended before {lead_chunks} chunks each: {statuses}")
+            await asyncio.sleep(0.002)
+        sent = time.perf_counter()
+        big = await sse_stream(session, url, model, pool, long, 1) if long else None
+        await asyncio.gather(*tasks)
     window_end = big.chunks[0] if big and big.chunks else float("inf")
     tokens = gap_stats([t.token_pairs() for t in traces], sent, window_end)
     return {
@@ -734,9 +725,7 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"random ids), greedy, ignore_eos; closed loop, {args.rounds} request(s) per client and at least "
         f"{args.min_measured} measured per level, the levels run in {args.cycles} rounds ({', '.join(map(str, args.levels * 2))}, ...; "
         f"the contenders alternating at each). {arrivals_text(args)} "
-        f"Gateway rows: SSE at the client through gateway + Redis (admission control off; the client "
-        f"keeps one connection per stream and times each read as it arrives, parsing after the stream: "
-        f"benchmarks/rawhttp.py), workers at "
+        f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
         f"{engine_place_text(args)}"
         f"{pinned_text(args, threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 "
