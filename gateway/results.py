@@ -105,6 +105,7 @@ class ResultMux:
                 self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
                 if now - failing_since >= self.redis_grace_s:
                     self.fail_all("lost the connection to Redis", "redis_unavailable")
+                    self._alive_set = False  # all failed: ``alive`` found gone once Redis is back loses none
                 await asyncio.sleep(0.2)
                 continue
             if failing_since is not None:
