@@ -77,8 +77,6 @@ class ResultMux:
         self._last = b"0-0"
         self._trimmed_at = 0.0
         self._ticked_at = 0.0
-        self._alive_set = False
-        """Whether a renewal found ``alive`` missing may mean it was lost (not before the first)."""
         self._subs: dict[bytes, Subscription] = {}
 
     def subscribe(self, request_id: str, keep_alive: bool = False, pool: str = "") -> Subscription:
@@ -105,7 +103,6 @@ class ResultMux:
                 self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
                 if now - failing_since >= self.redis_grace_s:
                     self.fail_all("lost the connection to Redis", "redis_unavailable")
-                    self._alive_set = False  # all failed: ``alive`` found gone once Redis is back loses none
                 await asyncio.sleep(0.2)
                 continue
             if failing_since is not None:
@@ -134,27 +131,12 @@ class ResultMux:
         if now - self._ticked_at < min(1.0, self.keep_alive_s):
             return
         self._ticked_at = now
-        self.batcher.call("SET", self.alive, b"1", "EX", ALIVE_TTL_S, "GET").add_done_callback(self._renewed)
+        self.batcher.fire("SET", self.alive, b"1", "EX", ALIVE_TTL_S)
         quiet_since = now - self.keep_alive_s
         for sub in self._subs.values():
             if sub.keep_alive and sub.heard_at <= quiet_since:
                 sub.heard_at = now
                 sub.records.put_nowait(QUIET)
-
-    def _renewed(self, done: asyncio.Future[bytes | None]) -> None:
-        """``alive`` gone between two renewals means Redis lost what it held (it restarted
-        empty, or a replica that lagged took over), or this gateway stalled past its TTL and the
-        workers let its requests go. Either way a request that has heard nothing may be in no
-        queue: without this it would wait for its deadline, an hour for batch. It gets a 503 to
-        retry (attempt 0: a worker that does hold it is told to stop)."""
-        if done.cancelled() or done.exception() is not None:
-            return
-        if done.result() is None and self._alive_set:
-            failed = self.fail_all("Redis lost the request queue (it restarted empty or failed over) before a "
-                                   "worker answered; retry the request", "redis_unavailable", unheard=True)
-            log.warning("this gateway's alive key was gone from Redis (restarted empty?); %d request(s) that had "
-                        "heard nothing were failed with a 503 to retry", failed)
-        self._alive_set = True
 
     def _trim(self) -> None:
         """Drop what has been read, at most once a ``trim_every_s``: the stream holds only
@@ -186,15 +168,13 @@ class ResultMux:
             return Error(f"a worker sent a record this gateway cannot read ({exc})",
                          "protocol_mismatch", 502, attempt=0)
 
-    def fail_all(self, message: str, code: str, pool: str | None = None, since: float | None = None,
-                 unheard: bool = False) -> int:
+    def fail_all(self, message: str, code: str, pool: str | None = None, since: float | None = None) -> int:
         """End every waiting request (of ``pool``, subscribed by ``since`` on the monotonic
-        clock, if given; only those no record has reached, if ``unheard``) with a 503 of the
-        gateway's own (attempt 0: the workers are told to stop them). Returns how many."""
+        clock, if given) with a 503 of the gateway's own (attempt 0: the workers are told to stop
+        them). Returns how many."""
         failed = 0
         for sub in list(self._subs.values()):
-            if (not sub.failed and (pool is None or sub.pool == pool) and (since is None or sub.since <= since)
-                    and not (unheard and sub.arrived.is_set())):
+            if not sub.failed and (pool is None or sub.pool == pool) and (since is None or sub.since <= since):
                 sub.failed = True
                 sub.records.put_nowait(Error(message, code, 503, attempt=0))
                 sub.arrived.set()

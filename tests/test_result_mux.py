@@ -161,30 +161,3 @@ async def test_the_reader_connection_probes_a_silent_redis_over_tcp(redis_server
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
     finally:
         await reader.aclose()
-
-
-async def test_a_redis_that_restarts_empty_fails_the_requests_that_heard_nothing(own_redis) -> None:
-    """Within the grace the reader goes on, but the queue went with Redis: a request no worker
-    had answered yet may be in none, and waited for its deadline (an hour for batch). One that
-    has heard from its worker is held by it, and goes on."""
-    client = aioredis.Redis.from_url(own_redis.url)
-    reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
-    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, redis_grace_s=3.0)
-    queued, running = mux.subscribe("q"), mux.subscribe("s")
-    reader = asyncio.create_task(mux.run())
-    writer = aioredis.Redis.from_url(own_redis.url)
-    try:
-        await send(writer, mux.key, Delta("a", 0))
-        assert await asyncio.wait_for(running.records.get(), 5) == Delta("a", 0)
-        while not await writer.exists(mux.alive):
-            await asyncio.sleep(0.01)
-        own_redis.stop()
-        own_redis.start()
-        failed = await asyncio.wait_for(queued.records.get(), 10)
-        assert isinstance(failed, Error) and failed.status == 503 and failed.attempt == 0, failed
-        await send(writer, mux.key, Delta("b", 1))
-        assert await asyncio.wait_for(running.records.get(), 5) == Delta("b", 1), "the running one goes on"
-    finally:
-        await cancel_and_wait([reader])
-        for c in (reader_client, writer, client):
-            await c.aclose()
