@@ -67,7 +67,8 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
         except web.HTTPException as exc:
             err = _http_error(request, exc)
             resp = err.response()
-            _count_unqueued(request, err.status, err.code)
+            if traced:  # a scanner's 404s are no refused completions
+                _count_unqueued(request, err.status, err.code)
         except asyncio.CancelledError:
             _client_left(request, started, span)
             raise
@@ -91,7 +92,8 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
 def _client_left(request: web.Request, started: float, span: Span | None) -> None:
     log.info("the client closed the connection during %s %s", request.method, request.path)
     tracing.set_http_status(span, CLIENT_CLOSED)
-    _count_unqueued(request, CLIENT_CLOSED, "cancelled")
+    if request.path in _AUDITED:  # a scrape of /metrics that timed out is no refused completion
+        _count_unqueued(request, CLIENT_CLOSED, "cancelled")
     _audit(request, started, CLIENT_CLOSED)
 
 

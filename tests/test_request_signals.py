@@ -81,6 +81,17 @@ async def test_a_client_that_leaves_before_its_request_is_queued_is_counted(redi
             state.metrics.registry.get_sample_value("slogate_rejected_requests_total")
 
 
+async def test_requests_for_no_completion_are_not_counted_as_refused_completions(redis_url: str) -> None:
+    """A scanner's 404s, or a scrape of /metrics: the metric is about completion requests."""
+    async with gateway(redis_url) as http:
+        assert (await http.get("/wp-login.php")).status == 404
+        assert (await http.get("/v1/completions")).status == 405
+        state = state_of(http)
+        assert refused(state, "404", "unknown_url") == 0
+        assert refused(state, "405", "method_not_allowed") == 1, \
+            state.metrics.registry.get_sample_value("slogate_rejected_requests_total")
+
+
 async def test_a_gateway_failure_before_queueing_is_counted(redis_url: str, monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in parsing")
