@@ -823,10 +823,10 @@ def _queue_gone(exc: Exception) -> bool:
 
 def worker_redis(url: str) -> aioredis.Redis:
     """The worker's client, with reads that time out: a Redis cut off without a word (a network
-    partition, a failover to another host) otherwise held the intake, the heartbeat and the
-    sends on their replies for good (redis-py before 8.0 sets no read timeout). Its cancel
-    subscription reads without one whatever is set here (redis-py 8.1 on; before, a quiet
-    channel timed out); keepalive probes break it over TCP."""
+    partition, a failover to another host) would hold the intake, the heartbeat and the sends
+    on their replies for good. redis-py 8 times reads out after 5 s by default; set here, the
+    timeout stays past the intake's block whatever a release defaults to. Its cancel
+    subscription reads without one (pub/sub blocks; keepalive probes break it over TCP)."""
     return aioredis.Redis.from_url(url, max_connections=16, socket_connect_timeout=2, socket_timeout=READ_TIMEOUT_S,
                                    health_check_interval=10, **redis_keepalive(url))
 

@@ -1,6 +1,6 @@
 """A worker cut off from Redis without a word (a network partition, Redis back on another
-host) reconnects, where its intake waited for the reply to a read for good: the worker set no
-read timeout, and redis-py before 8.0 sets none either."""
+host) reconnects, where its intake would wait for the reply to a read for good without a read
+timeout (redis-py before 8.0 set none; the worker now sets its own)."""
 
 from __future__ import annotations
 
