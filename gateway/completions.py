@@ -334,7 +334,7 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
                     if text is None:  # stale or repeated: its counts are not the answer's
                         continue
                     job.prompt_tokens, job.completion_tokens = rec.prompt_tokens, rec.completion_tokens
-                    if text and not job.first_token_at:
+                    if text and not job.first_token_at and job.parsed.stream:  # one not streamed holds it to the end
                         job.first_token_at = time.time()
                 elif rec.attempt and rec.attempt < relay.attempt:
                     continue

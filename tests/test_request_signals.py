@@ -171,3 +171,17 @@ async def test_a_workers_line_about_a_request_carries_the_gateways_request_id(re
     [line] = [r for r in caplog.records if r.name == "slogate.worker" and "preparing request" in r.getMessage()]
     assert line.request_id == "follow-me"
     assert json.loads(logs.JsonFormatter().format(line))["request_id"] == "follow-me"
+
+
+async def test_a_request_not_streamed_that_fails_after_its_first_tokens_has_no_time_to_first_token(
+        redis_url: str) -> None:
+    """Its text, held by the worker until the end, reached the gateway with the failure and never
+    its client: its end is no first token's time, however the worker's text came."""
+    async with gateway(redis_url) as http:
+        resp = await http.post("/v1/completions", headers={"x-slogate-timeout": "1", "x-slogate-class": "interactive"},
+                               json={"model": MODEL, "prompt": "hi", "max_tokens": 1000})
+        assert resp.status == 504
+        labels = {"class": "interactive", "pool": "interactive", "model": MODEL}
+        registry = state_of(http).metrics.registry
+        assert registry.get_sample_value("slogate_requests_total", {**labels, "outcome": "deadline_exceeded"}) == 1
+        assert not registry.get_sample_value("slogate_time_to_first_token_seconds_count", labels)
