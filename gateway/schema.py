@@ -77,6 +77,9 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     """The other parts OpenAI has: known, so that one is refused for its ``type``."""
     prompt_cache_breakpoint: msgspec.Raw = _raw()
     """Accepted and without effect: a hint for OpenAI's prompt cache."""
+    cache_control: msgspec.Raw = _raw()
+    """Accepted and without effect: Anthropic's cache hint, which LiteLLM and OpenRouter clients
+    send in OpenAI-shaped requests."""
 
 
 class Message(msgspec.Struct, forbid_unknown_fields=True):
@@ -94,6 +97,13 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     """An earlier answer's audio: refused when set."""
     tool_call_id: str | None = None
     """Accepted and without effect: moot while tool calls are refused."""
+    reasoning_content: msgspec.Raw = _raw()
+    reasoning: msgspec.Raw = _raw()
+    annotations: msgspec.Raw = _raw()
+    cache_control: msgspec.Raw = _raw()
+    """Accepted and without effect: what other servers' answers carry (vLLM's and DeepSeek's
+    reasoning, OpenAI's citations) and clients send back with the history, and Anthropic's
+    cache hint. A model's earlier reasoning stays out of the prompt, as chat templates leave it."""
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

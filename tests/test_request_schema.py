@@ -122,6 +122,9 @@ def test_every_field_the_openai_sdk_sends_inside_an_object_is_known(sent: type, 
     '{"role": "tool", "tool_call_id": "c1", "content": "x"}',
     '{"role": "assistant", "content": "x", "refusal": null, "audio": null, "tool_calls": null}',
     '{"role": "user", "content": [{"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}',
+    '{"role": "assistant", "content": "x", "reasoning_content": "hm", "reasoning": "hm", "annotations": []}',
+    '{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}], '
+    '"cache_control": {"type": "ephemeral"}}',
 ])
 def test_a_message_with_fields_known_but_without_effect_is_accepted(message: str) -> None:
     parsed = parse("chat", f'{{"model": "m", "messages": [{message}]}}'.encode(), 16)
