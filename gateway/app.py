@@ -257,7 +257,7 @@ def _resources(cfg: Config):
         await state.directory.refresh()
         await prompt_ratios.restore(commands, state.admission.prompt_tokens)
         ratios = prompt_ratios.RatioSaver(commands, state.admission.prompt_tokens)
-        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run(state.fail_unserved)),
+        tasks = [asyncio.create_task(state.mux.run()), asyncio.create_task(state.directory.run(state.after_refresh)),
                  asyncio.create_task(ratios.run())]
         yield
         await cancel_and_wait(tasks)

@@ -59,6 +59,17 @@ class Subscription:
     """Ended by the gateway (``fail_all``): one error record is its answer, not one a pass."""
 
 
+@dataclass
+class Loss:
+    """Redis lost what it held (``alive`` found gone between two renewals: it restarted empty,
+    or a replica that lagged took over). The requests subscribed by ``since`` (monotonic) that
+    have heard nothing may be in no queue; which of them a worker holds, the workers' next
+    heartbeats tell (:meth:`gateway.state.GatewayState.fail_lost`)."""
+
+    since: float
+    found_at: float = field(default_factory=time.monotonic)
+
+
 class ResultMux:
     def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, sealer: Sealer,
                  block_ms: int = 1000, count: int = 1024, trim_every_s: float = 1.0,
@@ -77,6 +88,13 @@ class ResultMux:
         self._last = b"0-0"
         self._trimmed_at = 0.0
         self._ticked_at = 0.0
+        self._alive_set = False
+        """Whether ``alive`` found missing at a renewal means Redis lost it (not before the first)."""
+        self._failing_since: float | None = None
+        self._broken_at: float | None = None
+        """When the reader last found Redis gone, until a renewal once it reads again: requests
+        subscribed since were queued on the Redis that came back, or failed to queue."""
+        self.loss: Loss | None = None
         self._subs: dict[bytes, Subscription] = {}
 
     def subscribe(self, request_id: str, keep_alive: bool = False, pool: str = "") -> Subscription:
@@ -89,24 +107,25 @@ class ResultMux:
         self._subs.pop(sub.request_id.encode(), None)
 
     async def run(self) -> None:
-        failing_since = None
         while True:
             self._tick()
             try:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
-                if failing_since is None:
-                    failing_since = now
+                if self._failing_since is None:
+                    self._failing_since = now
+                    self._broken_at = self._broken_at or now
                     log.warning("reading results from Redis failed (requests in flight fail if it lasts %g s): %s",
                                 self.redis_grace_s, exc)
                 self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
-                if now - failing_since >= self.redis_grace_s:
+                if now - self._failing_since >= self.redis_grace_s:
                     self.fail_all("lost the connection to Redis", "redis_unavailable")
+                    self._alive_set = False  # all failed: ``alive`` found gone once Redis is back loses none
                 await asyncio.sleep(0.2)
                 continue
-            if failing_since is not None:
-                failing_since = None
+            if self._failing_since is not None:
+                self._failing_since = None
                 await self._drop_stale_connections()
             for _, entries in resp or ():
                 for entry_id, fields in entries:
@@ -131,12 +150,26 @@ class ResultMux:
         if now - self._ticked_at < min(1.0, self.keep_alive_s):
             return
         self._ticked_at = now
-        self.batcher.fire("SET", self.alive, b"1", "EX", ALIVE_TTL_S)
+        self.batcher.call("SET", self.alive, b"1", "EX", ALIVE_TTL_S, "GET").add_done_callback(self._renewed)
         quiet_since = now - self.keep_alive_s
         for sub in self._subs.values():
             if sub.keep_alive and sub.heard_at <= quiet_since:
                 sub.heard_at = now
                 sub.records.put_nowait(QUIET)
+
+    def _renewed(self, done: asyncio.Future[bytes | None]) -> None:
+        """``alive`` gone between two renewals: Redis lost what it held, or this gateway stalled
+        past the key's TTL (and the workers let its requests go). Either way a request that has
+        heard nothing may be in no queue, and would wait for its deadline, an hour for batch."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        if done.result() is None and self._alive_set and self.loss is None:
+            self.loss = Loss(self._broken_at or time.monotonic())
+            log.warning("this gateway's alive key was gone from Redis (restarted empty?): the requests no worker "
+                        "holds will be failed with a 503 to retry once the workers have said what they hold")
+        self._alive_set = True
+        if self._failing_since is None:
+            self._broken_at = None
 
     def _trim(self) -> None:
         """Drop what has been read, at most once a ``trim_every_s``: the stream holds only
@@ -172,14 +205,23 @@ class ResultMux:
         """End every waiting request (of ``pool``, subscribed by ``since`` on the monotonic
         clock, if given) with a 503 of the gateway's own (attempt 0: the workers are told to stop
         them). Returns how many."""
+        return self.fail([sub for sub in self._subs.values()
+                          if (pool is None or sub.pool == pool) and (since is None or sub.since <= since)],
+                         message, code)
+
+    def fail(self, subs: list[Subscription], message: str, code: str) -> int:
         failed = 0
-        for sub in list(self._subs.values()):
-            if not sub.failed and (pool is None or sub.pool == pool) and (since is None or sub.since <= since):
+        for sub in subs:
+            if not sub.failed:
                 sub.failed = True
                 sub.records.put_nowait(Error(message, code, 503, attempt=0))
                 sub.arrived.set()
                 failed += 1
         return failed
+
+    def unheard(self, since: float) -> list[Subscription]:
+        """The waiting requests subscribed by ``since`` that no record has reached."""
+        return [sub for sub in self._subs.values() if not sub.arrived.is_set() and sub.since <= since]
 
     async def close(self) -> None:
         """Delete the stream and ``alive`` through the commands' connections, whose reads time

@@ -20,7 +20,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.results import ResultMux
 from gateway.workers import WorkerDirectory
 from policies.admission import AdmissionController
-from slogate import keys
+from slogate import keys, protocol
 from slogate.config import Config
 from slogate.crypto import Sealer
 
@@ -71,6 +71,33 @@ class GatewayState:
                                        pool, cutoff)
             if failed:
                 log.warning("ended %d request(s) of pool %r with 503: no live worker for %g s", failed, pool, grace)
+
+    def fail_lost(self) -> None:
+        """After Redis lost its queues (:class:`gateway.results.Loss`), end with a 503 each
+        request that had heard nothing and that no worker holds: it was queued and not yet read,
+        and would wait for its deadline. Decided ``heartbeat_ttl_s`` after the loss was found,
+        from a read of the fleet since: every live worker has written its heartbeat again by
+        then, one that has not is gone. A pool with a worker of a release that does not say what
+        it holds keeps its requests waiting, as before."""
+        loss = self.mux.loss
+        if loss is None or time.monotonic() - loss.found_at < self.cfg.heartbeat_ttl_s:
+            return
+        self.mux.loss = None
+        beats = [hb for hbs in self.directory.view.by_pool.values() for hb in hbs]
+        held = {rid for hb in beats for rid in hb.held or ()}
+        unsaid = {hb.pool for hb in beats if hb.held is None}
+        lost = [sub for sub in self.mux.unheard(loss.since)
+                if sub.pool not in unsaid and sub.request_id[:protocol.HELD_ID_CHARS] not in held]
+        failed = self.mux.fail(lost, "Redis lost the request before a worker took it (it restarted empty or "
+                                     "failed over); retry the request", "redis_unavailable")
+        if failed:
+            log.warning("ended %d request(s) with 503: Redis lost them from its queues, and no worker holds them",
+                        failed)
+
+    def after_refresh(self) -> None:
+        """What the directory runs after each read of the fleet: both look at the workers."""
+        self.fail_unserved()
+        self.fail_lost()
 
     def cancel(self, request_id: str, deadline: float) -> None:
         """Tell whichever worker holds the request to stop: a key for workers that have not

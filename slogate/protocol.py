@@ -188,8 +188,17 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     step when nothing else slows it, by which a request that can never fit is told apart from
     one that meets a busy or contended moment. 0 until it has one."""
     ts: float = 0.0
+    held: list[str] | None = None
+    """The requests it holds (running, waiting, being prepared), by the first ``HELD_ID_CHARS``
+    characters of their ids; None from a release that does not say. A Redis that restarts empty
+    loses its queues: a gateway then fails the requests no worker holds, which would otherwise
+    wait for their deadlines, and leaves those a worker is running (a request not streamed
+    hears nothing until its answer)."""
     v: int = VERSION
 
+
+HELD_ID_CHARS = 12
+"""Of a request id (32 hex characters): enough that two held ones never meet (48 bits)."""
 
 Result = Union[Delta, Final, Error]
 

@@ -1,0 +1,60 @@
+"""A Redis that restarts empty loses its queues: a request queued and not yet read fails with a
+503 to retry rather than wait for its deadline, and one a worker is running goes on though it
+has heard nothing yet (a request not streamed hears nothing until its answer), as does one
+sent once Redis is back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+from aiohttp.test_utils import TestClient, TestServer
+
+from engines.sim import create
+from engines.worker import Worker, WorkerSettings
+from gateway.app import make_app
+from gateway.state import STATE
+from slogate import keys
+from slogate.config import Config
+from slogate.tasks import cancel_and_wait
+
+BODY = {"model": "slogate-sim", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+
+
+async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_redis) -> None:
+    client = aioredis.Redis.from_url(own_redis.url)
+    worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
+                    WorkerSettings(pool="interactive", heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0,
+                                   intake_factor=1))
+    running = asyncio.create_task(worker.run())
+    cfg = Config(redis_url=own_redis.url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
+                 heartbeat_ttl_s=1.0)
+    try:
+        while not await client.smembers(keys.WORKERS):
+            await asyncio.sleep(0.01)
+        async with TestClient(TestServer(make_app(cfg))) as http:
+            headers = {"x-slogate-class": "interactive", "x-slogate-timeout": "120"}
+            taken = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
+                                                  json={**BODY, "max_tokens": 60}))  # 3 s of decode
+            while not worker.inflight:
+                await asyncio.sleep(0.01)
+            queued = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
+                                                   json={**BODY, "max_tokens": 4}))
+            while await client.xlen(keys.queue("interactive")) < 2:  # behind the first, unread: the worker is full
+                await asyncio.sleep(0.01)
+            own_redis.stop()
+            own_redis.start()
+            mux = http.server.app[STATE].mux
+            assert mux.loss is None, "not found yet: the reader retries each 0.2 s"
+            later = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
+                                                  json={**BODY, "max_tokens": 4}))  # queued on the Redis back
+            lost = await asyncio.wait_for(queued, 30)  # its deadline is 120 s away
+            assert lost.status == 503, await lost.text()
+            assert (await lost.json())["error"]["code"] == "redis_unavailable"
+            answered = await asyncio.wait_for(taken, 30)
+            assert answered.status == 200, await answered.text()
+            assert (await answered.json())["usage"]["completion_tokens"] == 60
+            assert (await asyncio.wait_for(later, 30)).status == 200
+    finally:
+        await cancel_and_wait([running])
+        await client.aclose()
