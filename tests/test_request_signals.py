@@ -92,11 +92,16 @@ async def test_requests_for_no_completion_are_not_counted_as_refused_completions
             state.metrics.registry.get_sample_value("slogate_rejected_requests_total")
 
 
-async def test_a_gateway_failure_before_queueing_is_counted(redis_url: str, monkeypatch) -> None:
+def break_in(monkeypatch, module: object, name: str) -> None:
+    """A bug of the gateway's: ``module.name`` raises."""
     def broken(*args, **kwargs):
-        raise RuntimeError("a bug in parsing")
+        raise RuntimeError(f"a bug in {name}")
 
-    monkeypatch.setattr(schema, "parse", broken)
+    monkeypatch.setattr(module, name, broken)
+
+
+async def test_a_gateway_failure_before_queueing_is_counted(redis_url: str, monkeypatch) -> None:
+    break_in(monkeypatch, schema, "parse")
     async with gateway(redis_url) as http:
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert resp.status == 500
@@ -106,10 +111,7 @@ async def test_a_gateway_failure_before_queueing_is_counted(redis_url: str, monk
 async def test_a_gateway_failure_after_queueing_is_counted_as_one(redis_url: str, monkeypatch) -> None:
     """The client got a 500: counted as that, not by what the worker said (``length``), nor as a
     client that left (``cancelled``, what a request that failed before its last record was)."""
-    def broken(*args, **kwargs):
-        raise RuntimeError("a bug in shaping the answer")
-
-    monkeypatch.setattr(openai_shapes, "full_response", broken)
+    break_in(monkeypatch, openai_shapes, "full_response")
     async with gateway(redis_url) as http:
         resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert resp.status == 500
