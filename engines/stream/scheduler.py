@@ -187,9 +187,15 @@ class LatencyScheduler(Scheduler):
             time_left -= self.cost.prefill_s([(seq.num_computed_tokens, n)])
 
     def _start(self, seq: Sequence) -> bool:
-        """Move a waiting request into the batch if a slot and its blocks are free."""
+        """Move a waiting request into the batch if a slot and its blocks are free, and the
+        most urgent waiting request is not waiting for blocks: requests with later deadlines
+        that fit would take each block freed, and a large urgent one never started before its
+        deadline (the paged scheduler's queue holds them back the same way)."""
         reserve = len(self.running) + 1 if self.running else 0
         if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq, reserve):
+            return False
+        first = self.waiting[0]
+        if first is not seq and not self.block_manager.can_allocate(first, reserve):
             return False
         self.waiting.remove(seq)
         self.block_manager.allocate(seq)

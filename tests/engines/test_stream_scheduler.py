@@ -245,3 +245,20 @@ def test_a_newcomer_does_not_cut_in_ahead_of_a_more_urgent_prompt_in_the_step():
     assert plan(step(sch))["next"] == 20
     batch, passes = cut_in_step(sch, [[seq("free", 20, deadline=9.0)]])
     assert set(plan(batch).values()) == {1} and passes == [["free"]], "a step of decodes delays no first token"
+
+
+def test_the_most_urgent_request_waiting_for_blocks_is_not_starved_by_later_ones_that_fit():
+    sch = LatencyScheduler(BlockManager(16, 16), 8, 2048, 4096, cost(), LatencyPolicy())
+    for i in range(3):
+        sch.add(seq(f"s{i}", 40, deadline=50.0 + i, max_tokens=20))
+    step(sch)
+    urgent = seq("urgent", 200, deadline=1.0)  # 13 of the 16 blocks: it starts once few others run
+    sch.add(urgent)
+    for k in range(60):
+        sch.add(seq(f"later{k}", 40, deadline=60.0 + k, max_tokens=20))
+        step(sch)
+        for s in [s for s in sch.running if s.num_completion_tokens >= s.sampling.max_tokens]:
+            sch.finish(s)
+        if urgent.status is Status.RUNNING:
+            break
+    assert urgent.status is Status.RUNNING, "requests with later deadlines kept taking every block freed"
