@@ -11,6 +11,7 @@ that did not include it. Read entries are trimmed; the stream expires if its gat
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -88,8 +89,11 @@ class ResultMux:
         self._last = b"0-0"
         self._trimmed_at = 0.0
         self._ticked_at = 0.0
-        self._alive_set = False
-        """Whether ``alive`` found missing at a renewal means Redis lost it (not before the first)."""
+        self._set_at: float | None = None
+        """When (monotonic) the last renewal known to have set ``alive`` was sent; None before
+        the first, and once all requests failed. ``alive`` found missing within ``ALIVE_TTL_S``
+        of it means Redis lost it; later, it may have expired (this gateway stalled, or Redis
+        refused the renewals while out of memory) with the queues intact."""
         self._failing_since: float | None = None
         self._broken_at: float | None = None
         """When the reader last found Redis gone, until a renewal once it reads again: requests
@@ -121,7 +125,7 @@ class ResultMux:
                 self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
                 if now - self._failing_since >= self.redis_grace_s:
                     self.fail_all("lost the connection to Redis", "redis_unavailable")
-                    self._alive_set = False  # all failed: ``alive`` found gone once Redis is back loses none
+                    self._set_at = None  # all failed: ``alive`` found gone once Redis is back loses none
                 await asyncio.sleep(0.2)
                 continue
             if self._failing_since is not None:
@@ -150,24 +154,27 @@ class ResultMux:
         if now - self._ticked_at < min(1.0, self.keep_alive_s):
             return
         self._ticked_at = now
-        self.batcher.call("SET", self.alive, b"1", "EX", ALIVE_TTL_S, "GET").add_done_callback(self._renewed)
+        self.batcher.call("SET", self.alive, b"1", "EX", ALIVE_TTL_S, "GET").add_done_callback(
+            functools.partial(self._renewed, now))
         quiet_since = now - self.keep_alive_s
         for sub in self._subs.values():
             if sub.keep_alive and sub.heard_at <= quiet_since:
                 sub.heard_at = now
                 sub.records.put_nowait(QUIET)
 
-    def _renewed(self, done: asyncio.Future[bytes | None]) -> None:
-        """``alive`` gone between two renewals: Redis lost what it held, or this gateway stalled
-        past the key's TTL (and the workers let its requests go). Either way a request that has
-        heard nothing may be in no queue, and would wait for its deadline, an hour for batch."""
+    def _renewed(self, sent: float, done: asyncio.Future[bytes | None]) -> None:
+        """``alive`` gone though a renewal sent before this one, less than its TTL ago, set it:
+        Redis lost what it held, and a request that has heard nothing may be in no queue, and
+        would wait for its deadline, an hour for batch. Gone later than that, it may only have
+        expired, and the requests still queued are served as ever."""
         if done.cancelled() or done.exception() is not None:
             return
-        if done.result() is None and self._alive_set and self.loss is None:
+        set_at, self._set_at = self._set_at, max(self._set_at or sent, sent)
+        lost = set_at is not None and set_at < sent and time.monotonic() - set_at < ALIVE_TTL_S
+        if done.result() is None and lost and self.loss is None:
             self.loss = Loss(self._broken_at or time.monotonic())
             log.warning("this gateway's alive key was gone from Redis (restarted empty?): the requests no worker "
                         "holds will be failed with a 503 to retry once the workers have said what they hold")
-        self._alive_set = True
         if self._failing_since is None:
             self._broken_at = None
 

@@ -6,6 +6,7 @@ sent once Redis is back."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
@@ -13,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from gateway.app import make_app
+from gateway.results import ALIVE_TTL_S
 from gateway.state import STATE
 from slogate import keys
 from slogate.config import Config
@@ -55,6 +57,38 @@ async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_r
             assert answered.status == 200, await answered.text()
             assert (await answered.json())["usage"]["completion_tokens"] == 60
             assert (await asyncio.wait_for(later, 30)).status == 200
+    finally:
+        await cancel_and_wait([running])
+        await client.aclose()
+
+
+async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis) -> None:
+    """The alive key expired (the gateway's loop stalled, or Redis refused its renewals while out
+    of memory) though Redis lost nothing: a request still queued behind a running one is served."""
+    client = aioredis.Redis.from_url(own_redis.url)
+    worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
+                    WorkerSettings(pool="interactive", heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0,
+                                   intake_factor=1))
+    running = asyncio.create_task(worker.run())
+    cfg = Config(redis_url=own_redis.url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
+                 heartbeat_ttl_s=1.0)
+    try:
+        while not await client.smembers(keys.WORKERS):
+            await asyncio.sleep(0.01)
+        async with TestClient(TestServer(make_app(cfg))) as http:
+            headers = {"x-slogate-class": "interactive", "x-slogate-timeout": "120"}
+            taken = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
+                                                  json={**BODY, "max_tokens": 160}))  # 8 s of decode
+            while not worker.inflight:
+                await asyncio.sleep(0.01)
+            queued = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
+                                                   json={**BODY, "max_tokens": 4}))
+            while await client.xlen(keys.queue("interactive")) < 2:
+                await asyncio.sleep(0.01)
+            time.sleep(ALIVE_TTL_S + 0.5)  # the whole loop stalls: the alive key expires, the queue stays
+            served = await asyncio.wait_for(queued, 30)
+            assert served.status == 200, await served.text()
+            assert (await asyncio.wait_for(taken, 30)).status == 200
     finally:
         await cancel_and_wait([running])
         await client.aclose()
