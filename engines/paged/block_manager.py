@@ -65,8 +65,13 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         """Whether ``seq`` fits now while leaving ``reserve`` blocks free for running ones."""
+        return self.free_blocks_taken(seq) + reserve <= len(self._free)
+
+    def free_blocks_taken(self, seq: Sequence) -> int:
+        """How many free blocks allocating ``seq`` now takes: cached blocks of its prefix that
+        others hold are shared, not taken."""
         shared = sum(1 for b in self._cached_prefix(seq) if self.blocks[b].ref_count > 0)
-        return self.blocks_for(len(seq)) - shared + reserve <= len(self._free)
+        return self.blocks_for(len(seq)) - shared
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` blocks for all its tokens, reusing cached full blocks of its prefix."""

@@ -188,20 +188,26 @@ class LatencyScheduler(Scheduler):
 
     def _start(self, seq: Sequence) -> bool:
         """Move a waiting request into the batch if a slot and its blocks are free, and the
-        most urgent waiting request is not waiting for blocks: requests with later deadlines
-        that fit would take each block freed, and a large urgent one never started before its
+        most urgent waiting request could still start after it: requests with later deadlines
+        that fit would take each slot and block freed (in the passes of short prompts that go
+        first, which a long one never joins), and a large urgent one never started before its
         deadline (the paged scheduler's queue holds them back the same way)."""
-        reserve = len(self.running) + 1 if self.running else 0
-        if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq, reserve):
+        if not self._fits(seq, len(self.running)):
             return False
         first = self.waiting[0]
-        if first is not seq and not self.block_manager.can_allocate(first, reserve):
+        if first is not seq and not self._fits(first, len(self.running) + 1, self.block_manager.free_blocks_taken(seq)):
             return False
         self.waiting.remove(seq)
         self.block_manager.allocate(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
+
+    def _fits(self, seq: Sequence, running: int, taken: int = 0) -> bool:
+        """Whether ``seq`` could start beside ``running`` requests with ``taken`` free blocks
+        gone, leaving a free block for each running one."""
+        reserve = running + 1 if running else 0
+        return running < self.max_num_seqs and self.block_manager.can_allocate(seq, reserve + taken)
 
 
 def plan_chunks(sched: Schedule, first: int = 0) -> list[tuple[int, int]]:

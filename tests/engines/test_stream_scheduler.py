@@ -218,7 +218,7 @@ def test_a_long_prompt_never_cuts_in_and_a_full_batch_takes_no_one():
     sch = scheduler(max_num_seqs=2, short_prompt_tokens=512)
     sch.add(seq("s0", 10))
     step(sch)
-    batch, passes = cut_in_step(sch, [[seq("long", 1000), seq("short", 8)]])
+    batch, passes = cut_in_step(sch, [[seq("long", 1000), seq("short", 8, deadline=50.0)]])
     assert passes == [["short"]], "a long prompt is chunked into steps instead"
     assert plan(step(sch)) == {"s0": 1, "short": 1}, "the batch is full: the long prompt waits"
     _, passes = cut_in_step(sch, [[seq("other", 8)]])
@@ -262,3 +262,22 @@ def test_the_most_urgent_request_waiting_for_blocks_is_not_starved_by_later_ones
         if urgent.status is Status.RUNNING:
             break
     assert urgent.status is Status.RUNNING, "requests with later deadlines kept taking every block freed"
+
+
+@pytest.mark.parametrize("num_blocks,max_num_seqs", [(48, 8), (512, 3)], ids=["blocks", "slots"])
+def test_the_most_urgent_long_prompt_is_not_starved_by_later_ones_that_go_first_in_prompt_passes(
+        num_blocks: int, max_num_seqs: int):
+    sch = LatencyScheduler(BlockManager(num_blocks, 16), max_num_seqs, 2048, 4096, cost(), LatencyPolicy())
+    for i in range(max_num_seqs):
+        sch.add(seq(f"s{i}", 40, deadline=50.0 + i, max_tokens=20 - 4 * i))
+    step(sch)
+    urgent = seq("urgent", 600, deadline=1.0)  # over short_prompt_tokens: never in a pass of prompts that go first
+    sch.add(urgent)
+    for k in range(100):
+        sch.add(seq(f"later{k}", 40, deadline=60.0 + k, max_tokens=20))
+        step(sch)
+        for s in [s for s in sch.running if s.num_completion_tokens >= s.sampling.max_tokens]:
+            sch.finish(s)
+        if urgent.status is Status.RUNNING:
+            break
+    assert urgent.status is Status.RUNNING, "later ones took in each prompt pass the slot or blocks it had"
