@@ -6,9 +6,13 @@ sent once Redis is back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 
 from engines.sim import create
@@ -23,72 +27,67 @@ from slogate.tasks import cancel_and_wait
 BODY = {"model": "slogate-sim", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
 
 
-async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_redis) -> None:
-    client = aioredis.Redis.from_url(own_redis.url)
+@contextlib.asynccontextmanager
+async def running_and_queued(redis_url: str, decode_tokens: int) -> AsyncIterator[Line]:
+    """A gateway in front of one worker that takes one request at a time: it runs one of
+    ``decode_tokens`` tokens (0.05 s each), and a second waits unread in the queue."""
+    client = aioredis.Redis.from_url(redis_url)
     worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
                     WorkerSettings(pool="interactive", heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0,
                                    intake_factor=1))
     running = asyncio.create_task(worker.run())
-    cfg = Config(redis_url=own_redis.url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
+    cfg = Config(redis_url=redis_url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
                  heartbeat_ttl_s=1.0)
     try:
         while not await client.smembers(keys.WORKERS):
             await asyncio.sleep(0.01)
         async with TestClient(TestServer(make_app(cfg))) as http:
-            headers = {"x-slogate-class": "interactive", "x-slogate-timeout": "120"}
-            taken = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
-                                                  json={**BODY, "max_tokens": 60}))  # 3 s of decode
+            line = Line(http)
+            taken = line.send(decode_tokens)
             while not worker.inflight:
                 await asyncio.sleep(0.01)
-            queued = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
-                                                   json={**BODY, "max_tokens": 4}))
+            queued = line.send(4)
             while await client.xlen(keys.queue("interactive")) < 2:  # behind the first, unread: the worker is full
                 await asyncio.sleep(0.01)
-            own_redis.stop()
-            own_redis.start()
-            mux = http.server.app[STATE].mux
-            assert mux.loss is None, "not found yet: the reader retries each 0.2 s"
-            later = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
-                                                  json={**BODY, "max_tokens": 4}))  # queued on the Redis back
-            lost = await asyncio.wait_for(queued, 30)  # its deadline is 120 s away
-            assert lost.status == 503, await lost.text()
-            assert (await lost.json())["error"]["code"] == "redis_unavailable"
-            answered = await asyncio.wait_for(taken, 30)
-            assert answered.status == 200, await answered.text()
-            assert (await answered.json())["usage"]["completion_tokens"] == 60
-            assert (await asyncio.wait_for(later, 30)).status == 200
+            line.taken, line.queued = taken, queued
+            yield line
     finally:
         await cancel_and_wait([running])
         await client.aclose()
+
+
+@dataclass
+class Line:
+    http: TestClient
+    taken: asyncio.Task[ClientResponse] | None = None
+    queued: asyncio.Task[ClientResponse] | None = None
+
+    def send(self, max_tokens: int) -> asyncio.Task[ClientResponse]:
+        return asyncio.create_task(self.http.post(
+            "/v1/chat/completions", headers={"x-slogate-class": "interactive", "x-slogate-timeout": "120"},
+            json={**BODY, "max_tokens": max_tokens}))
+
+
+async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_redis) -> None:
+    async with running_and_queued(own_redis.url, 60) as line:  # 3 s of decode
+        own_redis.stop()
+        own_redis.start()
+        assert line.http.server.app[STATE].mux.loss is None, "not found yet: the reader retries each 0.2 s"
+        later = line.send(4)  # queued on the Redis back
+        lost = await asyncio.wait_for(line.queued, 30)  # its deadline is 120 s away
+        assert lost.status == 503, await lost.text()
+        assert (await lost.json())["error"]["code"] == "redis_unavailable"
+        answered = await asyncio.wait_for(line.taken, 30)
+        assert answered.status == 200, await answered.text()
+        assert (await answered.json())["usage"]["completion_tokens"] == 60
+        assert (await asyncio.wait_for(later, 30)).status == 200
 
 
 async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis) -> None:
     """The alive key expired (the gateway's loop stalled, or Redis refused its renewals while out
     of memory) though Redis lost nothing: a request still queued behind a running one is served."""
-    client = aioredis.Redis.from_url(own_redis.url)
-    worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
-                    WorkerSettings(pool="interactive", heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0,
-                                   intake_factor=1))
-    running = asyncio.create_task(worker.run())
-    cfg = Config(redis_url=own_redis.url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
-                 heartbeat_ttl_s=1.0)
-    try:
-        while not await client.smembers(keys.WORKERS):
-            await asyncio.sleep(0.01)
-        async with TestClient(TestServer(make_app(cfg))) as http:
-            headers = {"x-slogate-class": "interactive", "x-slogate-timeout": "120"}
-            taken = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
-                                                  json={**BODY, "max_tokens": 160}))  # 8 s of decode
-            while not worker.inflight:
-                await asyncio.sleep(0.01)
-            queued = asyncio.create_task(http.post("/v1/chat/completions", headers=headers,
-                                                   json={**BODY, "max_tokens": 4}))
-            while await client.xlen(keys.queue("interactive")) < 2:
-                await asyncio.sleep(0.01)
-            time.sleep(ALIVE_TTL_S + 0.5)  # the whole loop stalls: the alive key expires, the queue stays
-            served = await asyncio.wait_for(queued, 30)
-            assert served.status == 200, await served.text()
-            assert (await asyncio.wait_for(taken, 30)).status == 200
-    finally:
-        await cancel_and_wait([running])
-        await client.aclose()
+    async with running_and_queued(own_redis.url, 160) as line:  # 8 s of decode
+        time.sleep(ALIVE_TTL_S + 0.5)  # the whole loop stalls: the alive key expires, the queue stays
+        served = await asyncio.wait_for(line.queued, 30)
+        assert served.status == 200, await served.text()
+        assert (await asyncio.wait_for(line.taken, 30)).status == 200
