@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import os
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,8 @@ from slogate import logs
 
 ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
 TORCH_ENGINES = {"stream", "paged"}
+
+log = logging.getLogger("slogate")
 
 
 def quiet_model_loading() -> None:
@@ -28,9 +33,13 @@ def quiet_model_loading() -> None:
     hf_logging.set_verbosity_error()
 
 
-def create_engine(name: str, model: str | None, options: dict[str, Any], threads: int | None = None) -> Engine:
+def create_engine(name: str, model: str | None, options: dict[str, Any], threads: int | None = None,
+                  inherited: dict[str, Any] | None = None) -> Engine:
     """Build engine ``name``; ``threads`` pins torch's intra-op threads of the engines that
-    run on torch (the sim engine never imports it)."""
+    run on torch (the sim engine never imports it). ``inherited`` are options written for
+    another engine (a pool's, when ``slogate worker --engine`` names another): those this
+    engine has too (``device``, ``kv_cache_bytes``) apply unless ``options`` sets them, and the
+    rest are left out and named in the log, where this engine would refuse them."""
     if name not in ENGINES:
         raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
     quiet_model_loading()
@@ -44,16 +53,33 @@ def create_engine(name: str, model: str | None, options: dict[str, Any], threads
         import torch
 
         torch.set_num_threads(threads)
+    if inherited:
+        options = {**_shared(name, module, inherited), **options}
     return module.create(model, **options)
 
 
+def _shared(name: str, module: Any, inherited: dict[str, Any]) -> dict[str, Any]:
+    """What of ``inherited`` engine ``name`` takes: its options dataclass's fields and the
+    keywords of its ``create`` (``dtype``, ``device``)."""
+    keywords = [p for p in inspect.signature(module.create).parameters.values() if p.name != "model"]
+    known = {f.name for f in fields(module.OPTIONS)} | {
+        p.name for p in keywords if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    left_out = sorted(set(inherited) - known)
+    if left_out:
+        log.warning("the %s engine runs without %s: options of the pool's engine that it does not have", name,
+                    ", ".join(left_out))
+    return {key: value for key, value in inherited.items() if key in known}
+
+
 def start_engine_process(name: str, model: str | None, options: dict[str, Any], threads: int | None = None,
-                         log_level: str = "info", log_format: str = "json") -> EngineProcess:
+                         log_level: str = "info", log_format: str = "json",
+                         inherited: dict[str, Any] | None = None) -> EngineProcess:
     """Build engine ``name`` in a process of its own (see :mod:`engines.engine_process`).
     This process loads the tokenizer while that one builds the engine (one start-up instead
     of two in a row), so prompts are tokenized beside the engine's steps."""
     encoder = partial(_prompt_encoder, model) if name in TORCH_ENGINES and model else None
-    return EngineProcess(partial(_create_logged, name, model, options, threads, log_level, log_format), encoder)
+    return EngineProcess(partial(_create_logged, name, model, options, threads, log_level, log_format, inherited),
+                         encoder)
 
 
 def _prompt_encoder(model: str) -> Encoder:
@@ -66,6 +92,6 @@ def _prompt_encoder(model: str) -> Encoder:
 
 
 def _create_logged(name: str, model: str | None, options: dict[str, Any], threads: int | None,
-                   log_level: str, log_format: str) -> Engine:
+                   log_level: str, log_format: str, inherited: dict[str, Any] | None) -> Engine:
     logs.setup(log_level, log_format)
-    return create_engine(name, model, options, threads)
+    return create_engine(name, model, options, threads, inherited)

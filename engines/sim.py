@@ -188,6 +188,9 @@ class SimEngine:
             decode_s_per_seq=t.decode_s_per_seq)
 
 
+OPTIONS = SimTiming
+
+
 def create(model: str | None = None, **options: Any) -> SimEngine:
     """Options are checked here (:func:`engines.base.checked_options`): one of the wrong type
     (``-o decode_base_s=4ms``) would fail only in ``load()``, in the worker's heartbeat,

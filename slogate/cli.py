@@ -18,7 +18,6 @@ from slogate.config import (
     DEFAULT_REDIS_URL,
     Config,
     ConfigError,
-    PoolConfig,
     load_config,
     redacted,
     unknown_variables,
@@ -78,31 +77,22 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
         threads = len(cpus) if threads is None else threads
     pool_cfg = cfg.pools.get(args.pool)
     engine_name = args.engine or (pool_cfg.engine if pool_cfg else "sim")
-    options = {**_pool_options(args.pool, pool_cfg, engine_name), **engine_options(args.option)}
+    pool_options = pool_cfg.options if pool_cfg else {}
+    # A pool's options are written for its engine (the paged one's KV budget, the sim one's
+    # timings). Another engine named with --engine (``slogate up --engine sim`` names it for
+    # every pool) takes those it has too and runs without the rest, which it would refuse.
+    own, inherited = (pool_options, {}) if pool_cfg is None or pool_cfg.engine == engine_name else ({}, pool_options)
+    options = {**own, **engine_options(args.option)}
     model, threads = args.model or cfg.model, worker_threads(cfg, threads)
     if engine_name in TORCH_ENGINES and not args.in_process:
-        engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format)
+        engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format, inherited)
     else:
-        engine = create_engine(engine_name, model, options, threads=threads)
+        engine = create_engine(engine_name, model, options, threads=threads, inherited=inherited)
     try:
         _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
     except (EngineDied, LoopFailed) as exc:
         print(f"slogate: {exc}; the requests this worker held stay pending for other workers", file=sys.stderr)
         sys.exit(1)
-
-
-def _pool_options(pool: str, pool_cfg: PoolConfig | None, engine: str) -> dict[str, Any]:
-    """A pool's options are written for the pool's engine (the paged one's KV budget, the sim
-    one's timings): another engine named with --engine (``slogate up --engine sim`` names it for
-    every pool) runs without them, where it refused them as options it does not know and the
-    worker could not start. The log names what is left out; ``-o`` gives that engine its own."""
-    if pool_cfg is None or pool_cfg.engine == engine:
-        return pool_cfg.options if pool_cfg else {}
-    if pool_cfg.options:
-        logging.getLogger("slogate").warning(
-            "pools.%s.options (%s) are for the pool's %s engine; the %s engine named with --engine runs without "
-            "them", pool, ", ".join(sorted(pool_cfg.options)), pool_cfg.engine, engine)
-    return {}
 
 
 def cmd_tiny_model(args: argparse.Namespace, cfg: Config) -> None:

@@ -7,7 +7,9 @@ from typing import Any
 from engines.paged.engine import PagedEngine, PagedOptions
 from engines.runtime.loader import load_engine
 
-__all__ = ["PagedEngine", "PagedOptions", "create"]
+__all__ = ["OPTIONS", "PagedEngine", "PagedOptions", "create"]
+
+OPTIONS = PagedOptions
 
 
 def create(model: str | None, dtype: str = "auto", device: str = "auto", **options: Any) -> PagedEngine:

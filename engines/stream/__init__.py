@@ -7,7 +7,9 @@ from typing import Any
 from engines.runtime.loader import load_engine
 from engines.stream.engine import StreamEngine, StreamOptions
 
-__all__ = ["StreamEngine", "StreamOptions", "create"]
+__all__ = ["OPTIONS", "StreamEngine", "StreamOptions", "create"]
+
+OPTIONS = StreamOptions
 
 
 def create(model: str | None, dtype: str = "auto", device: str = "auto", **options: Any) -> StreamEngine:
