@@ -124,6 +124,9 @@ class Worker:
         self._orphans_waiting = True
         """A departed worker may have left requests that had no room here (at start: unknown
         yet); the intake looks for them before it reads new ones."""
+        self._unread_own = False
+        """A read from the queue failed: Redis may have handed this worker requests whose reply
+        never came; the intake looks for them before it reads new ones."""
         self._stopping = asyncio.Event()
         self._replies: dict[str, list[tuple[bytes, bytes]]] = {}
         """Records queued for the next send, per reply stream: (request id, sealed message)."""
@@ -221,6 +224,9 @@ class Worker:
                 self._orphans_waiting = False
                 await self._take_over_departed()
                 continue
+            if self._unread_own:
+                await self._take_back_unread(room)
+                continue
             try:
                 resp = await self.redis.xreadgroup(keys.GROUP, self.s.worker_id, {self.queue: ">"},
                                                    count=room, block=INTAKE_BLOCK_MS)
@@ -230,10 +236,35 @@ class Worker:
                     await self._ensure_group()
                     continue
                 log.warning("reading %s failed (%s); retrying", self.queue, exc)
+                self._unread_own = True
                 await asyncio.sleep(0.5)
                 continue
             if resp:
                 await self._accept(resp[0][1], attempts=None)
+
+    async def _take_back_unread(self, room: int) -> None:
+        """Serve the requests Redis handed this worker in a reply that never arrived (a read
+        timed out on a slow Redis, a connection cut). They are this worker's pending entries,
+        which nobody else claims until they have been idle ``claim_idle_s``: a 15 s stall at
+        least, where taking them back now costs one XPENDING after a failed read."""
+        held = self._unacked | {job.entry_id for job in self.inflight.values()}
+        count = room + len(held)
+        try:
+            pending = await self.redis.xpending_range(self.queue, keys.GROUP, "-", "+", count,
+                                                      consumername=self.s.worker_id)
+            unread = {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] not in held}
+            entries = []
+            if unread:
+                entries = await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0, list(unread))
+        except (RedisError, OSError) as exc:
+            log.warning("looking for requests whose delivery to this worker was cut off failed (%s); retrying", exc)
+            await asyncio.sleep(0.5)
+            return
+        self._unread_own = len(pending) == count  # more may follow
+        entries = [(entry_id, fields) for entry_id, fields in entries if fields]
+        if entries:
+            log.warning("took back %d request(s) whose delivery to this worker was cut off", len(entries))
+            await self._accept(entries, attempts=unread)
 
     async def _accept(self, entries: Iterable[tuple[bytes, dict[bytes, bytes]]],
                       attempts: dict[bytes, int] | None) -> None:

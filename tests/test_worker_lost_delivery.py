@@ -1,0 +1,89 @@
+"""A request Redis handed a worker whose reply never reached it (the read timed out, the
+connection was cut) waits in that worker's pending list, where nobody looks for it until it
+has been idle ``claim_idle_s``. The worker takes it back as soon as it can read again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import urlparse
+
+import redis.asyncio as aioredis
+
+from engines.sim import create
+from engines.worker import Worker, WorkerSettings
+from slogate import keys, protocol
+from slogate.protocol import Final, GenerateRequest, SamplingParams
+from slogate.tasks import cancel_and_wait
+
+REPLIES = keys.replies("test-gateway")
+
+
+class ReplyCutter:
+    """A TCP proxy to Redis that, while ``cutting``, drops what Redis sends back, for good on
+    each connection it touched: its client waits for replies that never come."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.target = urlparse(redis_url)
+        self.cutting = False
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self.target.scheme == "unix":  # the test Redis's url, where its socket path fits
+            server_r, server_w = await asyncio.open_unix_connection(self.target.path)
+        else:
+            server_r, server_w = await asyncio.open_connection(self.target.hostname, self.target.port)
+        cut = False
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, replies: bool) -> None:
+            nonlocal cut
+            while data := await reader.read(65536):
+                cut = cut or (replies and self.cutting)
+                if not (replies and cut):
+                    writer.write(data)
+            writer.close()
+
+        await asyncio.gather(pump(client_r, server_w, False), pump(server_r, client_w, True), return_exceptions=True)
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def test_a_request_whose_delivery_was_cut_off_is_taken_back_at_once(redis_url: str) -> None:
+    direct = aioredis.Redis.from_url(redis_url)
+    cutter = ReplyCutter(redis_url)
+    via = aioredis.Redis.from_url(await cutter.start(), socket_timeout=1.0)
+    worker = Worker(create(decode_base_s=0), via, WorkerSettings(pool="p", claim_idle_s=120))
+    task = asyncio.create_task(worker.run())
+    try:
+        while not await direct.exists(keys.queue("p")):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the intake blocked on its read
+        cutter.cutting = True
+        req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=2),
+                              deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt="hi")
+        await direct.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
+        while not (pending := await direct.xpending(keys.queue("p"), keys.GROUP))["pending"]:
+            await asyncio.sleep(0.01)
+        assert pending["consumers"][0]["name"].decode() == worker.s.worker_id, "Redis handed it to the worker"
+        await asyncio.sleep(1.5)  # past the client's read timeout
+        cutter.cutting = False
+        entries = []
+        for _ in range(100):  # 10 s, well inside claim_idle_s
+            if entries := await direct.xrange(REPLIES):
+                break
+            await asyncio.sleep(0.1)
+        records = [protocol.decode_result(payload) for _, f in entries
+                   for _, payload in protocol.decode_batch(f[protocol.BATCH_FIELD])]
+        assert records and isinstance(records[-1], Final), "the request was served"
+        assert records[-1].attempt == 1, "its first delivery never reached a worker: no attempt was spent"
+    finally:
+        await cancel_and_wait([task])
+        await via.aclose()
+        await direct.aclose()
+        await cutter.close()
