@@ -15,7 +15,9 @@ written to a file) and the client's own clock (all processes on this host, one c
 Writing the spans costs time on the gateway's path, so the same load runs again untraced and
 the table shows both TTFTs. During the untraced run a second table shows, per process, the CPU
 it used and the share of the time it was ready to run but waiting for a core (Linux schedstat):
-on a small host the hops' tails are mostly that wait.
+on a small host the hops' tails are mostly that wait. A third table follows the slowest
+requests (by traced TTFT) hop by hop, beside those around the median: which hops a tail
+request loses its time in, which per-hop percentiles cannot say.
 
     python -m benchmarks.serving_path [--size tiny] [--levels 1 16] [--requests 300]
 """
@@ -166,6 +168,25 @@ def report(traced: dict[int, list[dict[str, float]]], untraced: dict[int, list[S
     return rows
 
 
+def tail_report(traced: dict[int, list[dict[str, float]]]) -> tuple[list[str], list[list[Any]]]:
+    """Each hop's mean over the slowest 5% of requests by TTFT, beside its mean over the 10%
+    around the median TTFT."""
+    groups: dict[int, tuple[list[dict[str, float]], list[dict[str, float]]]] = {}
+    for n, hops_of in traced.items():
+        ranked = sorted(hops_of, key=lambda h: sum(h.values()))
+        k = max(1, len(ranked) // 20)
+        groups[n] = ranked[len(ranked) // 2 - k: len(ranked) // 2 + k], ranked[-k:]
+
+    def mean_ms(group: list[dict[str, float]], hop: str | None) -> float:
+        return round(sum(h[hop] if hop else sum(h.values()) for h in group) / len(group) * 1000, 2)
+
+    streams = {n: f"{n} stream{'s' * (n > 1)}" for n in traced}
+    headers = ["hop", *(f"{streams[n]}, {which} ms" for n in traced
+                        for which in ("around the median", "slowest 5%"))]
+    rows = [[hop or "TTFT, traced", *(mean_ms(g, hop) for n in traced for g in groups[n])] for hop in [*HOPS, None]]
+    return headers, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "100m"])
@@ -197,6 +218,7 @@ def main() -> None:
                                   for what in ("CPU % of a core", "waiting for a core %"))]
     usage_rows = [[name, *(round(v * 100, 1) for n in args.levels for v in usage[n][name])]
                   for name in usage[args.levels[0]]]
+    tail_headers, tail_rows = tail_report(traced)
     text = "\n".join([
         f"# Time to first token through the gateway, hop by hop ({args.size} model, {args.engine} engine)", "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, x86_64 with {os.cpu_count()} cores shared by the "
@@ -210,12 +232,16 @@ def main() -> None:
         "The untraced run, per process: the CPU it used (CPU seconds per second of wall time) and the share "
         "of the time it was ready to run but waited for a core, from /proc/PID/task/*/schedstat. The worker's "
         "row is its event loop; the engine steps in the engine process.", "",
-        markdown_table(usage_headers, usage_rows), ""])
+        markdown_table(usage_headers, usage_rows), "",
+        "The traced run's slowest requests: each hop's mean over the slowest 5% by TTFT, beside its mean "
+        "over the 10% around the median TTFT.", "",
+        markdown_table(tail_headers, tail_rows), ""])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.md").write_text(text)
     (RESULTS / f"{name}.json").write_text(json.dumps({"name": name, "args": vars(args) | {"model_dir": None},
                                                       "headers": headers, "rows": rows,
-                                                      "process_headers": usage_headers, "process_rows": usage_rows},
+                                                      "process_headers": usage_headers, "process_rows": usage_rows,
+                                                      "tail_headers": tail_headers, "tail_rows": tail_rows},
                                                      indent=1))
     print(text)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serving_path import HOPS, hops, schedstat, trace_hops
+from benchmarks.serving_path import HOPS, hops, schedstat, tail_report, trace_hops
 
 BASE = datetime(2026, 12, 1, 5, 0, tzinfo=timezone.utc).timestamp()
 
@@ -46,6 +46,21 @@ def test_hops_split_the_ttft_at_each_handover() -> None:
                 "back to the client": 2.5}
     assert {k: round(v * 1000, 3) for k, v in split.items()} == expected
     assert sum(split.values()) == pytest.approx(0.0135, abs=1e-6)
+
+
+def test_the_tail_table_follows_the_slowest_requests_hop_by_hop() -> None:
+    """Of 40 requests, the 2 slowest lost their time on the way to a worker; the 4 around the
+    median spent 1 ms in each hop."""
+    def split(to_worker_ms: float) -> dict[str, float]:
+        return {hop: (to_worker_ms if hop == "to a worker" else 1.0) / 1000 for hop in HOPS}
+
+    traced = {16: [split(1.0 + i / 100) for i in range(38)] + [split(20.0), split(30.0)]}
+    headers, rows = tail_report(traced)
+    assert headers == ["hop", "16 streams, around the median ms", "16 streams, slowest 5% ms"]
+    table = {row[0]: row[1:] for row in rows}
+    assert table["to a worker"] == [pytest.approx(1.195, abs=0.01), 25.0]
+    assert table["worker to first token"] == [1.0, 1.0]
+    assert table["TTFT, traced"] == [pytest.approx(5.195, abs=0.01), 29.0]
 
 
 def test_a_request_whose_worker_spans_are_missing_has_no_split() -> None:
