@@ -245,7 +245,7 @@ def _resources(cfg: Config):
         sealer = Sealer.from_text(cfg.encryption_keys)
         state = GatewayState(
             cfg, commands, batcher, ResultMux(reader, batcher, sealer, keep_alive_s=cfg.sse_keep_alive_s),
-            WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s), GatewayMetrics(),
+            WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s, cfg.heartbeat_ttl_s), GatewayMetrics(),
             AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands), sealer,
             AuditLog(batcher, cfg.audit_max_entries))
         if sealer.enabled:

@@ -75,12 +75,16 @@ class GatewayState:
     def fail_lost(self) -> None:
         """After Redis lost its queues (:class:`gateway.results.Loss`), end with a 503 each
         request that had heard nothing and that no worker holds: it was queued and not yet read,
-        and would wait for its deadline. Decided ``heartbeat_ttl_s`` after the loss was found,
-        from a read of the fleet since: every live worker has written its heartbeat again by
-        then, one that has not is gone. A pool with a worker of a release that does not say what
-        it holds keeps its requests waiting, as before."""
+        and would wait for its deadline. Decided from a read of the fleet at least
+        ``heartbeat_ttl_s`` after the loss was found, and once each worker seen before it is back
+        or gone (``WorkerDirectory.missing``, by that worker's own TTL): one that beats slower than
+        this gateway expects, or late, may be running requests that hear nothing until their
+        answer. A pool with a worker of a release that does not say what it holds keeps its
+        requests waiting, as before."""
         loss = self.mux.loss
         if loss is None or time.monotonic() - loss.found_at < self.cfg.heartbeat_ttl_s:
+            return
+        if any(seen_at < loss.found_at for seen_at, _ in self.directory.missing.values()):
             return
         self.mux.loss = None
         beats = [hb for hbs in self.directory.view.by_pool.values() for hb in hbs]

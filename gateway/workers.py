@@ -82,11 +82,22 @@ was read (it adds its name back at each beat anyway)."""
 
 
 class WorkerDirectory:
-    def __init__(self, redis: aioredis.Redis, pools: list[str], poll_s: float = 0.5) -> None:
+    def __init__(self, redis: aioredis.Redis, pools: list[str], poll_s: float = 0.5,
+                 heartbeat_ttl_s: float = 3.0) -> None:
         self.redis = redis
         self.configured_pools = pools
         self.poll_s = poll_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        """The TTL of a heartbeat that does not say its own (``Heartbeat.ttl_s``)."""
         self.view = FleetView()
+        self._view_read_at = 0.0
+        """When (monotonic) the read that made ``view`` began."""
+        self.missing: dict[tuple[str, str], tuple[float, float]] = {}
+        """Each worker (pool, id) of an earlier read that the reads since lack, until it is back
+        or gone: when (monotonic) the last read that had it began, and when it counts as gone (its
+        own TTL after the first read without it). Just after Redis restarted empty every worker is
+        missing until its next beat, which one that beats slower than this gateway expects sends
+        well after this gateway's TTL: until then, what it holds is not known."""
         self._read_ok = False
         self._reading_since: float | None = None
         """When (monotonic) the read of the fleet under way started; None between reads."""
@@ -100,7 +111,7 @@ class WorkerDirectory:
 
     async def refresh(self) -> bool:
         """Read the fleet; False when Redis did not answer."""
-        self._reading_since = time.monotonic()
+        self._reading_since = started = time.monotonic()
         try:
             names = sorted(await self.redis.smembers(keys.WORKERS))
             raw = await self.redis.mget(names) if names else []
@@ -126,9 +137,11 @@ class WorkerDirectory:
                 log.error("Redis unreachable: %s", exc)
             self._read_ok, self._reading_since, self._said_down = False, None, True
             return False
+        now = time.monotonic()
+        self._note_missing(heartbeats, now)
         self.view = FleetView(heartbeats, dict(zip(pools, depths)),
                               {pool: self.own.count(pool) for pool in pools})
-        now = time.monotonic()
+        self._view_read_at = started
         for pool in pools:
             if self.view.by_pool.get(pool):
                 self.unserved_since.pop(pool, None)
@@ -138,6 +151,15 @@ class WorkerDirectory:
             log.info("Redis reachable again")
         self._read_ok, self._reading_since, self._said_down = True, None, False
         return True
+
+    def _note_missing(self, heartbeats: list[Heartbeat], now: float) -> None:
+        """Update ``missing`` from a read made at ``now``, before it replaces ``view``."""
+        present = {(hb.pool, hb.worker_id) for hb in heartbeats}
+        for hb in self.view.heartbeats:
+            if (hb.pool, hb.worker_id) not in present:
+                self.missing.setdefault((hb.pool, hb.worker_id),
+                                        (self._view_read_at, now + (hb.ttl_s or self.heartbeat_ttl_s)))
+        self.missing = {w: seen for w, seen in self.missing.items() if w not in present and seen[1] > now}
 
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's requests in flight: this gateway's own, counted as they start and end,

@@ -194,6 +194,11 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     loses its queues: a gateway then fails the requests no worker holds, which would otherwise
     wait for their deadlines, and leaves those a worker is running (a request not streamed
     hears nothing until its answer)."""
+    ttl_s: float = 0.0
+    """How long this heartbeat lives (the worker's own ``heartbeat_ttl_s``, which may differ from
+    its gateways'): a gateway that lost sight of it (Redis restarted empty) waits that long for it
+    to beat again before it counts what it held as lost. 0 from a release that does not say: the
+    gateway's own is assumed."""
     v: int = VERSION
 
 

@@ -28,12 +28,14 @@ BODY = {"model": "slogate-sim", "messages": [{"role": "user", "content": "hi"}],
 
 
 @contextlib.asynccontextmanager
-async def running_and_queued(redis_url: str, decode_tokens: int) -> AsyncIterator[Line]:
+async def running_and_queued(redis_url: str, decode_tokens: int, beat_s: float = 0.2,
+                             beat_ttl_s: float = 1.0) -> AsyncIterator[Line]:
     """A gateway in front of one worker that takes one request at a time: it runs one of
-    ``decode_tokens`` tokens (0.05 s each), and a second waits unread in the queue."""
+    ``decode_tokens`` tokens (0.05 s each), and a second waits unread in the queue. The worker
+    beats each ``beat_s``, for ``beat_ttl_s``; the gateway expects 0.2 s and 1 s."""
     client = aioredis.Redis.from_url(redis_url)
     worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
-                    WorkerSettings(pool="interactive", heartbeat_interval_s=0.2, heartbeat_ttl_s=1.0,
+                    WorkerSettings(pool="interactive", heartbeat_interval_s=beat_s, heartbeat_ttl_s=beat_ttl_s,
                                    intake_factor=1))
     running = asyncio.create_task(worker.run())
     cfg = Config(redis_url=redis_url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
@@ -42,7 +44,7 @@ async def running_and_queued(redis_url: str, decode_tokens: int) -> AsyncIterato
         while not await client.smembers(keys.WORKERS):
             await asyncio.sleep(0.01)
         async with TestClient(TestServer(make_app(cfg))) as http:
-            line = Line(http)
+            line = Line(http, worker)
             taken = line.send(decode_tokens)
             while not worker.inflight:
                 await asyncio.sleep(0.01)
@@ -59,6 +61,7 @@ async def running_and_queued(redis_url: str, decode_tokens: int) -> AsyncIterato
 @dataclass
 class Line:
     http: TestClient
+    worker: Worker
     taken: asyncio.Task[ClientResponse] | None = None
     queued: asyncio.Task[ClientResponse] | None = None
 
@@ -81,6 +84,27 @@ async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_r
         assert answered.status == 200, await answered.text()
         assert (await answered.json())["usage"]["completion_tokens"] == 60
         assert (await asyncio.wait_for(later, 30)).status == 200
+
+
+async def test_a_worker_that_beats_slower_than_the_gateway_expects_keeps_what_it_runs(own_redis) -> None:
+    """The worker beats each 4 s, for 10 s, where the gateway's own setting says each 0.2 s, for 1 s:
+    its first heartbeat after the restart comes well past the gateway's TTL, and the request it
+    runs, not streamed, has heard nothing by then. It is answered; the one lost from the queue
+    still ends with a 503."""
+    async with running_and_queued(own_redis.url, 240, beat_s=4.0, beat_ttl_s=10.0) as line:  # 12 s of decode
+        client = aioredis.Redis.from_url(own_redis.url)
+        beat = keys.heartbeat("interactive", line.worker.s.worker_id)
+        while await client.pttl(beat) < 9_800:  # restart just after a beat: the next one is 4 s away
+            await asyncio.sleep(0.01)
+        await client.aclose()
+        own_redis.stop()
+        own_redis.start()
+        lost = await asyncio.wait_for(line.queued, 30)
+        assert lost.status == 503, await lost.text()
+        assert (await lost.json())["error"]["code"] == "redis_unavailable"
+        answered = await asyncio.wait_for(line.taken, 30)
+        assert answered.status == 200, await answered.text()
+        assert (await answered.json())["usage"]["completion_tokens"] == 240
 
 
 async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis) -> None:
