@@ -254,8 +254,12 @@ class Worker:
                                                       consumername=self.s.worker_id)
             unread = {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] not in held}
             entries = []
-            if unread:
-                entries = await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0, list(unread))
+            # Claimed with their delivery counts as they are: a plain claim counts one delivery
+            # more, and a worker that takes one over after this one died would take its second
+            # run for a third, ``max_attempts`` stopping the request a run too early.
+            for times in set(unread.values()):
+                entries += await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0,
+                                                   [eid for eid, n in unread.items() if n == times], retrycount=times)
         except (RedisError, OSError) as exc:
             log.warning("looking for requests whose delivery to this worker was cut off failed (%s); retrying", exc)
             await asyncio.sleep(0.5)

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
 from slogate import keys, protocol
-from slogate.protocol import Final, GenerateRequest, SamplingParams
+from slogate.protocol import Error, Final, GenerateRequest, SamplingParams
 from slogate.tasks import cancel_and_wait
 
 REPLIES = keys.replies("test-gateway")
@@ -54,6 +54,39 @@ class ReplyCutter:
         self.server.close()
 
 
+def request(max_tokens: int = 2) -> GenerateRequest:
+    return GenerateRequest(id="r", model="m", pool="p", cls="interactive",
+                           sampling=SamplingParams(max_tokens=max_tokens), deadline=time.time() + 60,
+                           enqueued_at=time.time(), reply=REPLIES, prompt="hi")
+
+
+async def cut_off_delivery(direct: aioredis.Redis, cutter: ReplyCutter, worker: Worker, req: GenerateRequest) -> None:
+    """Have Redis hand ``req`` to ``worker``'s blocked read, and drop the reply until the read
+    has timed out."""
+    while not await direct.exists(keys.queue("p")):
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # the intake blocked on its read
+    cutter.cutting = True
+    await direct.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.FIELD: protocol.encode(req)})
+    while not (pending := await direct.xpending(keys.queue("p"), keys.GROUP))["pending"]:
+        await asyncio.sleep(0.01)
+    assert pending["consumers"][0]["name"].decode() == worker.s.worker_id, "Redis handed it to the worker"
+    await asyncio.sleep(1.5)  # past the client's read timeout
+    cutter.cutting = False
+
+
+async def final_record(direct: aioredis.Redis, seconds: float) -> protocol.Result | None:
+    """The last record written for the request, once one ends it, within ``seconds``."""
+    for _ in range(int(seconds * 10)):
+        entries = await direct.xrange(REPLIES)
+        records = [protocol.decode_result(payload) for _, f in entries
+                   for _, payload in protocol.decode_batch(f[protocol.BATCH_FIELD])]
+        if records and isinstance(records[-1], Final | Error):
+            return records[-1]
+        await asyncio.sleep(0.1)
+    return None
+
+
 async def test_a_request_whose_delivery_was_cut_off_is_taken_back_at_once(redis_url: str) -> None:
     direct = aioredis.Redis.from_url(redis_url)
     cutter = ReplyCutter(redis_url)
@@ -61,29 +94,39 @@ async def test_a_request_whose_delivery_was_cut_off_is_taken_back_at_once(redis_
     worker = Worker(create(decode_base_s=0), via, WorkerSettings(pool="p", claim_idle_s=120))
     task = asyncio.create_task(worker.run())
     try:
-        while not await direct.exists(keys.queue("p")):
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)  # the intake blocked on its read
-        cutter.cutting = True
-        req = GenerateRequest(id="r", model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=2),
-                              deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt="hi")
-        await direct.xadd(keys.queue("p"), {protocol.ID_FIELD: "r", protocol.FIELD: protocol.encode(req)})
-        while not (pending := await direct.xpending(keys.queue("p"), keys.GROUP))["pending"]:
-            await asyncio.sleep(0.01)
-        assert pending["consumers"][0]["name"].decode() == worker.s.worker_id, "Redis handed it to the worker"
-        await asyncio.sleep(1.5)  # past the client's read timeout
-        cutter.cutting = False
-        entries = []
-        for _ in range(100):  # 10 s, well inside claim_idle_s
-            if entries := await direct.xrange(REPLIES):
-                break
-            await asyncio.sleep(0.1)
-        records = [protocol.decode_result(payload) for _, f in entries
-                   for _, payload in protocol.decode_batch(f[protocol.BATCH_FIELD])]
-        assert records and isinstance(records[-1], Final), "the request was served"
-        assert records[-1].attempt == 1, "its first delivery never reached a worker: no attempt was spent"
+        await cut_off_delivery(direct, cutter, worker, request())
+        final = await final_record(direct, 10)  # well inside claim_idle_s
+        assert isinstance(final, Final), "the request was served"
+        assert final.attempt == 1, "its first delivery never reached a worker: no attempt was spent"
     finally:
         await cancel_and_wait([task])
+        await via.aclose()
+        await direct.aclose()
+        await cutter.close()
+
+
+async def test_a_request_taken_back_counts_one_attempt_when_another_worker_takes_it_over(redis_url: str) -> None:
+    """The worker that took it back dies while serving it: the one that takes it over runs its
+    second attempt, which ``max_attempts=2`` allows, not a third."""
+    direct = aioredis.Redis.from_url(redis_url)
+    cutter = ReplyCutter(redis_url)
+    via = aioredis.Redis.from_url(await cutter.start(), socket_timeout=1.0)
+    fast = WorkerSettings(pool="p", claim_idle_s=120, heartbeat_interval_s=0.1, heartbeat_ttl_s=0.5, max_attempts=2)
+    first = Worker(create(decode_base_s=0.05), via, WorkerSettings(**{**vars(fast), "worker_id": "first"}))
+    second = Worker(create(decode_base_s=0), direct, WorkerSettings(**{**vars(fast), "worker_id": "second"}))
+    tasks = [asyncio.create_task(first.run())]
+    try:
+        await cut_off_delivery(direct, cutter, first, request(max_tokens=1000))
+        while "r" not in first.inflight:
+            await asyncio.sleep(0.05)
+        # It dies with the request held; cancelled again while it cleans up, its heartbeat would outlive it.
+        await cancel_and_wait(tasks, every_s=5.0)
+        tasks.append(asyncio.create_task(second.run()))
+        final = await final_record(direct, 10)
+        assert isinstance(final, Final), final
+        assert final.attempt == 2
+    finally:
+        await cancel_and_wait(tasks)
         await via.aclose()
         await direct.aclose()
         await cutter.close()
