@@ -261,6 +261,9 @@ class Worker:
                 entries += await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0,
                                                    [eid for eid, n in unread.items() if n == times], retrycount=times)
         except (RedisError, OSError) as exc:
+            if _queue_gone(exc):  # a Redis that restarted empty: nothing is pending, and the read makes the group
+                self._unread_own = False
+                return
             log.warning("looking for requests whose delivery to this worker was cut off failed (%s); retrying", exc)
             await asyncio.sleep(0.5)
             return

@@ -130,3 +130,26 @@ async def test_a_request_taken_back_counts_one_attempt_when_another_worker_takes
         await via.aclose()
         await direct.aclose()
         await cutter.close()
+
+
+async def test_a_worker_whose_read_failed_while_redis_restarted_empty_reads_again(own_redis) -> None:
+    """The failed read has the worker look for deliveries cut off, in a queue and a group that
+    Redis lost: the look, refused for good, kept the intake from the read that creates them
+    again, and the worker served nothing."""
+    client = aioredis.Redis.from_url(own_redis.url, socket_timeout=1.0)
+    worker = Worker(create(decode_base_s=0), client, WorkerSettings(pool="p", claim_idle_s=120))
+    task = asyncio.create_task(worker.run())
+    try:
+        while not await client.exists(keys.queue("p")):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the intake blocked on its read
+        own_redis.stop()
+        await asyncio.sleep(1.0)  # its read fails meanwhile
+        own_redis.start()
+        req = request()
+        await client.xadd(keys.queue("p"), {protocol.ID_FIELD: req.id, protocol.FIELD: protocol.encode(req)})
+        final = await final_record(client, 10)
+        assert isinstance(final, Final), "the request sent once Redis was back was served"
+    finally:
+        await cancel_and_wait([task])
+        await client.aclose()
