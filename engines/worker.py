@@ -56,6 +56,13 @@ slow or away); what is not sent by then stays pending, for another worker to run
 
 INTAKE_BLOCK_MS = 500
 """How long the intake's XREADGROUP waits in Redis for a request."""
+READ_RETRY_S = 0.5
+"""How long the intake waits after a failed read before it tries again."""
+CUT_OFF_IDLE_MS = 250
+"""How long an entry pending for this worker, and not held here, has been idle at least when
+the intake takes it back after a failed read: one whose delivery was cut off was handed over
+before the read failed, ``READ_RETRY_S`` before at least, where one that another worker (or
+another loop of this one) claims meanwhile has been idle a round trip."""
 READ_TIMEOUT_S = 5.0
 """How long the worker waits for a reply from Redis: past ``INTAKE_BLOCK_MS``, so an idle
 intake never times out."""
@@ -237,7 +244,7 @@ class Worker:
                     continue
                 log.warning("reading %s failed (%s); retrying", self.queue, exc)
                 self._unread_own = True
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(READ_RETRY_S)
                 continue
             if resp:
                 await self._accept(resp[0][1], attempts=None)
@@ -252,20 +259,23 @@ class Worker:
         try:
             pending = await self.redis.xpending_range(self.queue, keys.GROUP, "-", "+", count,
                                                       consumername=self.s.worker_id)
-            unread = {p["message_id"]: p["times_delivered"] for p in pending if p["message_id"] not in held}
+            unread = {p["message_id"]: p["times_delivered"] for p in pending
+                      if p["message_id"] not in held and p["time_since_delivered"] >= CUT_OFF_IDLE_MS}
             entries = []
             # Claimed with their delivery counts as they are: a plain claim counts one delivery
             # more, and a worker that takes one over after this one died would take its second
-            # run for a third, ``max_attempts`` stopping the request a run too early.
+            # run for a third, ``max_attempts`` stopping the request a run too early. Claimed
+            # only if still idle: one that another worker took over since the look stays its,
+            # where taken back it ran on both.
             for times in set(unread.values()):
-                entries += await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, 0,
+                entries += await self.redis.xclaim(self.queue, keys.GROUP, self.s.worker_id, CUT_OFF_IDLE_MS,
                                                    [eid for eid, n in unread.items() if n == times], retrycount=times)
         except (RedisError, OSError) as exc:
             if _queue_gone(exc):  # a Redis that restarted empty: nothing is pending, and the read makes the group
                 self._unread_own = False
                 return
             log.warning("looking for requests whose delivery to this worker was cut off failed (%s); retrying", exc)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(READ_RETRY_S)  # a claim whose reply was lost too: idle long enough again
             return
         self._unread_own = len(pending) == count  # more may follow
         entries = [(entry_id, fields) for entry_id, fields in entries if fields]

@@ -153,3 +153,34 @@ async def test_a_worker_whose_read_failed_while_redis_restarted_empty_reads_agai
     finally:
         await cancel_and_wait([task])
         await client.aclose()
+
+
+async def test_a_request_another_worker_takes_over_meanwhile_is_not_taken_back(redis_url: str, monkeypatch) -> None:
+    """Another worker claims the request between this one's look at its pending entries and its
+    claim (this one's heartbeat lapsed while Redis was slow): taken back, it ran on both, and
+    this one's records, of an attempt older than the other's, were dropped at the gateway."""
+    direct = aioredis.Redis.from_url(redis_url)
+    cutter = ReplyCutter(redis_url)
+    via = aioredis.Redis.from_url(await cutter.start(), socket_timeout=1.0)
+    worker = Worker(create(decode_base_s=0), via, WorkerSettings(pool="p", claim_idle_s=120))
+    await direct.set(keys.heartbeat("p", "other"), b"alive")
+    look = via.xpending_range
+
+    async def look_then_taken_over(*args, **kwargs):
+        pending = await look(*args, **kwargs)
+        if kwargs.get("consumername") == worker.s.worker_id and pending:
+            await direct.xclaim(keys.queue("p"), keys.GROUP, "other", 0, [p["message_id"] for p in pending])
+        return pending
+
+    monkeypatch.setattr(via, "xpending_range", look_then_taken_over)
+    task = asyncio.create_task(worker.run())
+    try:
+        await cut_off_delivery(direct, cutter, worker, request())
+        await asyncio.sleep(2.0)
+        owners = [p["consumer"] for p in await direct.xpending_range(keys.queue("p"), keys.GROUP, "-", "+", 10)]
+        assert (owners, await direct.xrange(REPLIES)) == ([b"other"], []), "left to the worker that took it over"
+    finally:
+        await cancel_and_wait([task])
+        await via.aclose()
+        await direct.aclose()
+        await cutter.close()
