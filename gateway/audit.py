@@ -148,7 +148,13 @@ class AuditLog:
         if not flushes:
             return None
         sent = [self._send(number, records) for number, records in flushes]
-        return sent[0] if len(sent) == 1 else asyncio.gather(*sent)
+        if len(sent) == 1:
+            return sent[0]
+        gathered = asyncio.gather(*sent)
+        # A timer's flush awaits nothing: its failure is logged once (``_keep_unwritten``), not
+        # by asyncio as an error with a traceback at every retry of an outage.
+        gathered.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return gathered
 
     def _send(self, number: int, records: list[str]) -> asyncio.Future[Any]:
         written = self.batcher.call("EVAL", _APPEND, 2, STREAM, self._flushes_key, self.keep, number, *records)

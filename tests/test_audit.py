@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import time
@@ -238,3 +239,19 @@ async def test_the_trails_own_log_lines_carry_no_requests_id(own_redis: LocalRed
         await client.aclose()
     [warning] = [line for line in handler.lines if "could not be written" in line["msg"]]
     assert "request_id" not in warning
+
+
+async def test_a_retry_of_several_flushes_that_fails_logs_no_asyncio_error(own_redis: LocalRedis, caplog) -> None:
+    """A retry sends every flush kept, and those gathered since, together: the timer that sent
+    them awaited nothing, and asyncio logged their failure as an error with a traceback, once a
+    second for as long as Redis was away."""
+    client, audit = await failed_write(own_redis, flush_s=0.01)
+    audit.write("b", time.time(), 200, {"key": "k", "model": "m"})  # kept for the retry: a second flush
+    deadline = time.monotonic() + RETRY_S + 10
+    while audit._failing and not audit._unwritten[1:]:
+        assert time.monotonic() < deadline, "the retry sends a and b"
+        await asyncio.sleep(0.05)
+    gc.collect()  # an unretrieved failure is reported when its future is collected
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
+    await client.aclose()
