@@ -34,7 +34,6 @@ from typing import Any
 
 import msgspec
 import redis
-from redis.exceptions import RedisError
 
 from gateway.batcher import CommandBatcher
 from slogate import keys
@@ -85,6 +84,9 @@ class AuditLog:
         """Refusals without a caller gathered this second: status -> count."""
         self._anonymous_since = 0.0
         self._failing = False
+        self._sending: set[asyncio.Future[Any]] = set()
+        """Flushes Redis has not answered yet: closing waits for them all."""
+        self._closed = False
 
     def write(self, request_id: str, started: float, status: int, entry: dict[str, Any]) -> None:
         """Gather a request's record. Outside the request's context: the timers it may start,
@@ -158,39 +160,45 @@ class AuditLog:
 
     def _send(self, number: int, records: list[str]) -> asyncio.Future[Any]:
         written = self.batcher.call("EVAL", _APPEND, 2, STREAM, self._flushes_key, self.keep, number, *records)
+        self._sending.add(written)
         written.add_done_callback(lambda fut: self._keep_unwritten(fut, number, records))
         return written
 
     def _keep_unwritten(self, written: asyncio.Future[Any], number: int, records: list[str]) -> None:
         """A flush Redis did not confirm is sent again a second later, with the records gathered
         since, up to ``KEEP_UNWRITTEN`` flushes' worth; past that, the oldest are dropped and
-        counted."""
+        counted. Once closed, none is sent again: ``close`` counts them."""
+        self._sending.discard(written)
         exc = asyncio.CancelledError() if written.cancelled() else written.exception()
         if exc is None:
             if self._unwritten:
                 return
             self._failing = False
-            if self._records and self._timer is None:  # gathered while it was failing: no timer ran
+            if self._records and self._timer is None and not self._closed:  # gathered while it was failing
                 self._timer = asyncio.get_running_loop().call_later(self.flush_s, self.flush)
             return
-        if not self._failing:
+        if not self._failing and not self._closed:
             log.warning("audit records could not be written, kept for the next try: %s", exc)
-            self._failing = True
+        self._failing = True
         self._unwritten.append((number, records))
         self._unwritten.sort(key=lambda flush: flush[0])
         self._bound()
-        if self._timer is None:
+        if self._timer is None and not self._closed:
             self._timer = asyncio.get_running_loop().call_later(RETRY_S, self.flush)
 
     async def close(self) -> None:
-        """Write what is gathered before the gateway lets go of Redis."""
+        """Write what is gathered, and wait for the flushes on their way, before the gateway lets
+        go of Redis; what Redis did not take is logged once and sent no more. Not waited for, a
+        flush's records were lost without a word, and its retries ran on after close: on closed
+        connections, or, Redis hung, holding the gateway's exit (``CommandBatcher.drain``)."""
+        self._closed = True
         self._add_anonymous()
-        pending = self.flush()
-        if pending is not None:
-            try:
-                await pending
-            except RedisError:
-                log.warning("the last audit records could not be written: Redis is unavailable")
+        self.flush()
+        if self._sending:
+            await asyncio.wait(set(self._sending))
+        lost = len(self._records) + sum(len(records) for _, records in self._unwritten)
+        if lost:
+            log.warning("the last %d audit record(s) could not be written: Redis is unavailable", lost)
 
 
 def export(url: str, count: int | None = None) -> Iterator[str]:

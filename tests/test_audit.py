@@ -6,6 +6,7 @@ import asyncio
 import gc
 import json
 import logging
+import signal
 import time
 
 import pytest
@@ -254,4 +255,37 @@ async def test_a_retry_of_several_flushes_that_fails_logs_no_asyncio_error(own_r
     gc.collect()  # an unretrieved failure is reported when its future is collected
     await asyncio.sleep(0)
     assert "never retrieved" not in caplog.text
+    await client.aclose()
+
+
+
+class Counted(CommandBatcher):
+    """Counts the commands sent."""
+
+    calls = 0
+
+    def call(self, *args):
+        self.calls += 1
+        return super().call(*args)
+
+
+async def test_closing_waits_for_the_flush_on_its_way_and_sends_nothing_after(own_redis: LocalRedis, caplog) -> None:
+    """Redis hung as the gateway stops: the flush on its way was not waited for, its records
+    were lost without a word, and its retries went on after close (with two of them at once,
+    the gateway never exited)."""
+    client = aioredis.Redis.from_url(own_redis.url, socket_timeout=0.5)
+    batcher = Counted(client)
+    audit = AuditLog(batcher, keep=100, flush_s=10)
+    audit.write("a", time.time(), 200, {"key": "k", "model": "m"})
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        audit.flush()
+        await audit.close()
+        assert "the last 1 audit record(s) could not be written" in caplog.text
+        sent = batcher.calls
+        await asyncio.sleep(RETRY_S + 0.5)
+        assert batcher.calls == sent, "nothing is sent after close"
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    assert caplog.text.count("could not be written") == 1
     await client.aclose()
