@@ -261,10 +261,12 @@ def _resources(cfg: Config):
                  asyncio.create_task(ratios.run())]
         yield
         await cancel_and_wait(tasks)
+        state.send_cancels_now()
         await ratios.save()
         await state.audit.close()
         await state.mux.close()
         await batcher.drain()
+        state.log_unsent_cancels()
         await reader.aclose()
         await commands.aclose()
 

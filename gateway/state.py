@@ -49,6 +49,11 @@ class GatewayState:
     """Batch requests held back before queueing (``gateway.admit``): a drain wakes them, and
     waits for them too."""
     started_at: float = field(default_factory=time.time)
+    unsent_cancels: dict[str, float] = field(default_factory=dict)
+    """Cancels Redis has not taken yet: request id -> its deadline, when they stop."""
+    cancel_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    closing: bool = False
+    """Shutting down: a cancel Redis refuses is not sent again (``send_cancels_now``)."""
 
     def drain(self) -> None:
         """Take no new requests; the held ones learn it at once, not at their next look."""
@@ -108,6 +113,8 @@ class GatewayState:
         picked it up yet (and for one that lost the channel a while), a message for the one
         running it. Sent again each second until Redis takes it or the deadline passes: a
         request cancelled during an outage would otherwise run to its end for nobody."""
+        self.cancel_retries.pop(request_id, None)
+        self.unsent_cancels[request_id] = deadline
         ttl_ms = int(max(1.0, deadline - time.time() + self.cfg.result_ttl_s) * 1000)
         flagged = self.batcher.call("SET", keys.cancel(request_id), "1", "PX", ttl_ms)
         self.batcher.fire("PUBLISH", keys.CANCEL_CHANNEL, request_id)
@@ -115,8 +122,26 @@ class GatewayState:
 
     def _cancel_again(self, flagged: asyncio.Future[Any], request_id: str, deadline: float) -> None:
         if flagged.cancelled() or flagged.exception() is None or time.time() >= deadline:
-            return
-        asyncio.get_running_loop().call_later(CANCEL_RETRY_S, self.cancel, request_id, deadline)
+            self.unsent_cancels.pop(request_id, None)
+        elif not self.closing:
+            self.cancel_retries[request_id] = asyncio.get_running_loop().call_later(
+                CANCEL_RETRY_S, self.cancel, request_id, deadline)
+
+    def send_cancels_now(self) -> None:
+        """At shutdown: each cancel waiting for its retry goes at once, and none after it. The
+        retries ran until their requests' deadlines, an hour for batch, and while Redis hung
+        they held the gateway's exit as long (``CommandBatcher.drain``); left pending, they were
+        dropped without a word. ``log_unsent_cancels`` says what Redis did not take."""
+        self.closing = True
+        for request_id, retry in list(self.cancel_retries.items()):
+            retry.cancel()
+            self.cancel(request_id, self.unsent_cancels[request_id])
+
+    def log_unsent_cancels(self) -> None:
+        """Once the last commands had their replies: the cancels Redis did not take, in one line."""
+        if self.unsent_cancels:
+            log.warning("%d cancel(s) could not be sent to Redis before the gateway stopped: the workers stop "
+                        "those requests once they find this gateway gone", len(self.unsent_cancels))
 
 
 CANCEL_RETRY_S = 1.0

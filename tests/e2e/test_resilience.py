@@ -278,3 +278,36 @@ def test_a_gateway_told_to_stop_while_redis_hangs_exits(own_redis: LocalRedis) -
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
         stack.stop()
+
+
+async def test_a_gateway_told_to_stop_while_redis_hangs_exits_though_cancels_were_due_again(
+        own_redis: LocalRedis, tmp_path: Path) -> None:
+    """Two clients left while Redis hung: each cancel was sent again every second until its
+    request's deadline (ten minutes here), and those retries, one always on its way, held the
+    gateway's exit as long. Each is sent once more, and what Redis did not take is said once."""
+    stack = Stack(own_redis.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"}, log_dir=tmp_path / "logs")
+    gateway = stack.gateway()
+    stack.worker("interactive", "sim", "decode_base_s=0.02", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    body = {**SCORE, "max_tokens": 1500, "stream": True}  # 30 s of decode
+    try:
+        async with aiohttp.ClientSession() as s:
+            streams = [await s.post(stack.url + "/v1/chat/completions", json=body,
+                                    headers={"x-slogate-timeout": "600"}) for _ in range(2)]
+            for r in streams:
+                await r.content.readline()
+            own_redis.proc.send_signal(signal.SIGSTOP)
+            for r in streams:  # a retry of one is always on its way when the other's is due
+                r.close()
+                await asyncio.sleep(2.5)
+        await asyncio.sleep(3.0)  # both failed once (the commands' read timeout is 5 s), and wait for a retry
+        gateway.send_signal(signal.SIGTERM)
+        try:
+            gateway.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the gateway did not exit within 40 s of SIGTERM") from None
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+        stack.stop()
+    log = (tmp_path / "logs" / "gateway-0.log").read_text()
+    assert log.count("2 cancel(s) could not be sent to Redis") == 1, log
