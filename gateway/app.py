@@ -346,8 +346,21 @@ class _Runner(web.AppRunner):
                                  handler_cancellation=plain.handler_cancellation, **plain._kwargs)
 
 
+async def _grace(state: GatewayState, grace_s: float, now: asyncio.Event) -> None:
+    """Wait up to ``grace_s`` for the open requests to finish, or until ``now`` is set: a
+    second SIGTERM or Ctrl-C means stop now, as it does to ``slogate up``, and not after a
+    grace of 30 s more."""
+    end = time.monotonic() + grace_s
+    while state.handling and time.monotonic() < end:
+        if now.is_set():
+            log.warning("a second signal cut the grace short: ending the %d open request(s) now", state.handling)
+            return
+        await asyncio.sleep(0.05)
+
+
 async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish."""
+    """Run until SIGTERM/SIGINT, then stop taking requests and let open ones finish; a second
+    signal ends them at once."""
     tracing.setup("slogate-gateway")
     logging.getLogger("aiohttp.server").addFilter(MalformedHttpAtInfo())
     # Bound before anything starts: under uvloop, a bind that failed after setup left the
@@ -364,10 +377,15 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     freeze_startup_heap()
     log.info("gateway listening on http://%s:%d (Redis at %s)", cfg.host, cfg.port,
              redacted(cfg.redis_url or DEFAULT_REDIS_URL))
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        """The first starts the drain; a second ends its grace (``_grace``)."""
+        (now if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     if ready is not None:
         ready.set()
     await stop.wait()
@@ -375,9 +393,7 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     state.drain()
     log.info("draining: %d request(s) in flight, %d held back, grace %.0fs", state.in_flight, len(state.holds),
              grace_s)
-    end = time.monotonic() + grace_s
-    while state.handling and time.monotonic() < end:
-        await asyncio.sleep(0.05)
+    await _grace(state, grace_s, now)
     if state.in_flight:
         # Each gets its answer's end, a 503 (an error event on a stream), not a cut connection
         # a client would take for a network fault; the workers are told to stop them.

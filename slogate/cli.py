@@ -175,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw = add("gateway", help="run one gateway process")
     gw.add_argument("--port", type=int, help="port to listen on (default: the config's, 8000)")
     gw.add_argument("--host", help="address to listen on (default: the config's, 0.0.0.0)")
-    gw.add_argument("--grace", type=float, default=30.0, help="seconds open requests get on SIGTERM")
+    gw.add_argument("--grace", type=float, default=30.0,
+                    help="seconds open requests get on SIGTERM (a second signal ends them at once)")
     gw.add_argument("--cpus", help="run on these CPUs only, e.g. 0 or 0,2-3 (default: any)")
     gw.set_defaults(func=cmd_gateway)
 

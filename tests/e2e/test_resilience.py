@@ -136,6 +136,47 @@ async def test_requests_still_open_when_the_grace_ends_get_a_503_and_stop(redis_
         client.close()
 
 
+async def test_a_second_signal_ends_the_grace_at_once(redis_server: LocalRedis, tmp_path: Path) -> None:
+    """A second SIGTERM or Ctrl-C means now, as it does to ``slogate up``: the gateway waited out
+    its whole grace (30 s here) all the same. What is open ends as at the grace's end, and the
+    shutdown after it runs as ever: the request's audit record is written, its worker stops it."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
+                  log_dir=tmp_path / "logs")
+    gateway = stack.gateway()
+    stack.worker("interactive", "sim", "decode_base_s=0.05", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(stack.url + "/v1/chat/completions", headers={"x-request-id": "second-signal"},
+                              json={**SCORE, "max_tokens": 1000, "stream": True}) as r:  # 50 s of decode
+                assert r.status == 200
+                await r.content.readline()
+                gateway.send_signal(signal.SIGTERM)
+                await asyncio.sleep(1.0)
+                assert gateway.poll() is None, "one signal leaves open requests their grace"
+                gateway.send_signal(signal.SIGTERM)
+                try:
+                    rest = await asyncio.wait_for(r.read(), 10)
+                except TimeoutError:
+                    raise AssertionError("the stream ran on into the grace after a second SIGTERM") from None
+        events = [line for line in rest.decode().splitlines() if line.startswith("data: ")]
+        assert '"code":"shutting_down"' in events[-2] and events[-1] == "data: [DONE]"
+        assert gateway.wait(timeout=10) == 0
+        audited = [json.loads(fields[b"e"]) for _, fields in client.xrange("slogate:audit")]
+        assert [r["outcome"] for r in audited if r.get("request_id") == "second-signal"] == ["shutting_down"]
+        deadline = time.monotonic() + 5
+        while running(client):
+            assert time.monotonic() < deadline, "the worker stops what nobody waits for"
+            await asyncio.sleep(0.05)
+    finally:
+        stack.stop()
+        client.close()
+    log = (tmp_path / "logs" / "gateway-0.log").read_text()
+    assert log.count("a second signal cut the grace short") == 1, log
+
+
 async def test_unreadable_messages_are_dropped_and_work_goes_on(redis_server: LocalRedis) -> None:
     client = redis.Redis.from_url(redis_server.url)
     client.flushdb()
