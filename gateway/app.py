@@ -70,7 +70,10 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
             if traced:  # a scanner's 404s are no refused completions
                 _count_unqueued(request, err.status, err.code)
         except asyncio.CancelledError:
-            _client_left(request, started, span)
+            if request.app[STATE].grace_over:
+                _cut_off(request, started, span)
+            else:
+                _client_left(request, started, span)
             raise
         except Exception as exc:
             if isinstance(exc, ConnectionResetError) and _client_gone(request):
@@ -91,10 +94,24 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
 
 def _client_left(request: web.Request, started: float, span: Span | None) -> None:
     log.info("the client closed the connection during %s %s", request.method, request.path)
-    tracing.set_http_status(span, CLIENT_CLOSED)
+    _ended(request, started, span, CLIENT_CLOSED, "cancelled")
+
+
+def _cut_off(request: web.Request, started: float, span: Span | None) -> None:
+    """A handler cancelled once the grace is over: the gateway ended it (``GatewayState.grace_over``)."""
+    log.info("the grace was over before %s %s finished: ended with 503 shutting_down", request.method,
+             request.path)
+    _ended(request, started, span, 503, "shutting_down")
+
+
+def _ended(request: web.Request, started: float, span: Span | None, status: int, code: str) -> None:
+    """The span, count and audit record of a request whose handler was cancelled: it has no
+    response to take them from."""
+    tracing.set_http_status(span, status)
     if request.path in _AUDITED:  # a scrape of /metrics that timed out is no refused completion
-        _count_unqueued(request, CLIENT_CLOSED, "cancelled")
-    _audit(request, started, CLIENT_CLOSED)
+        _count_unqueued(request, status, code)
+    request["audit"].setdefault("outcome", code)
+    _audit(request, started, status)
 
 
 def _count_unqueued(request: web.Request, status: int, code: str | None) -> None:
@@ -119,10 +136,7 @@ def _audit(request: web.Request, started: float, status: int) -> None:
     """Every completion request goes into the audit trail, whatever became of it: a client that
     leaves mid-answer is recorded with what it was sent (``outcome`` says how it ended)."""
     if request.path in _AUDITED:
-        entry = request["audit"]
-        if status == CLIENT_CLOSED:
-            entry.setdefault("outcome", "cancelled")
-        request.app[STATE].audit.write(request["request_id"], started, status, entry)
+        request.app[STATE].audit.write(request["request_id"], started, status, request["audit"])
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
@@ -394,6 +408,7 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     log.info("draining: %d request(s) in flight, %d held back, grace %.0fs", state.in_flight, len(state.holds),
              grace_s)
     await _grace(state, grace_s, now)
+    state.grace_over = True
     if state.in_flight:
         # Each gets its answer's end, a 503 (an error event on a stream), not a cut connection
         # a client would take for a network fault; the workers are told to stop them.

@@ -190,6 +190,10 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     except APIError as err:  # which class, pool and decision it failed in, as a success says
         err.headers = {**headers, **(err.headers or {})}
         raise
+    except asyncio.CancelledError:
+        if state.grace_over and not job.ended_at:  # the gateway's end (``GatewayState.grace_over``), not its client's
+            job.outcome, job.status = "shutting_down", 503
+        raise
     except Exception as exc:
         if not isinstance(exc, ConnectionResetError):  # a client that left is cancelled; this, the gateway's bug
             job.outcome, job.status = "internal_error", 500

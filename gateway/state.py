@@ -54,6 +54,11 @@ class GatewayState:
     cancel_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     closing: bool = False
     """Shutting down: a cancel Redis refuses is not sent again (``send_cancels_now``)."""
+    grace_over: bool = False
+    """The drain waits no more: what is still open is ended by the gateway, with a 503
+    ``shutting_down``, whether that answer gets through or aiohttp cancels its handler at
+    shutdown (a stream whose client stopped reading: its write never completes). One whose
+    client leaves from now on is counted so too: it was being ended all the same."""
 
     def drain(self) -> None:
         """Take no new requests; the held ones learn it at once, not at their next look."""

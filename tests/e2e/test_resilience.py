@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -175,6 +176,58 @@ async def test_a_second_signal_ends_the_grace_at_once(redis_server: LocalRedis, 
         client.close()
     log = (tmp_path / "logs" / "gateway-0.log").read_text()
     assert log.count("a second signal cut the grace short") == 1, log
+
+
+async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_the_grace_end(
+        redis_server: LocalRedis, tmp_path: Path) -> None:
+    """Its write never completes, so aiohttp cancels its handler at shutdown: that was logged
+    and audited as a client that left (499 ``cancelled``), though the gateway ended it."""
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
+                  log_dir=tmp_path / "logs")
+    gateway = stack.gateway("--grace", "1")
+    stack.worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    # Some 20 MB of events (top logprobs make each some 3 kB), far more than the socket buffers hold.
+    body = json.dumps({**SCORE, "max_tokens": 7000, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        client.connect(("127.0.0.1", stack.port))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"x-request-id: stopped-reading\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await stuck(stack.port, client.getsockname()[1])
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(timeout=20) == 0
+        audit = redis.Redis.from_url(redis_server.url)
+        records = [json.loads(fields[b"e"]) for _, fields in audit.xrange("slogate:audit")]
+        audit.close()
+    finally:
+        client.close()
+        stack.stop()
+    [record] = [r for r in records if r.get("request_id") == "stopped-reading"]
+    assert (record["status"], record["outcome"]) == (503, "shutting_down"), record
+    log = (tmp_path / "logs" / "gateway-0.log").read_text()
+    assert "the client closed the connection" not in log, log
+    assert "the grace was over before POST /v1/chat/completions finished" in log, log
+
+
+async def stuck(port: int, peer_port: int, timeout: float = 30.0) -> None:
+    """Until the gateway's socket to the client holds as much unsent as it takes: its handler's
+    writes wait for a client that reads nothing (Linux's ``/proc/net/tcp``)."""
+    end, last = time.monotonic() + timeout, -1
+    while (now := unsent(port, peer_port)) == 0 or now != last:
+        assert time.monotonic() < end, "the stream never filled the socket's buffers"
+        last = now
+        await asyncio.sleep(0.5)
+
+
+def unsent(port: int, peer_port: int) -> int:
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and int(fields[2].split(":")[1], 16) == peer_port:
+            return int(fields[4].split(":")[0], 16)
+    return 0
 
 
 async def test_unreadable_messages_are_dropped_and_work_goes_on(redis_server: LocalRedis) -> None:
