@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway import openai_shapes as shapes
 from gateway import schema
@@ -52,7 +52,7 @@ class _Job:
     """As the last record said: what a request that ends without a final record used."""
     outcome: str = "cancelled"
     worker_done: bool = False
-    """A final or error record came: nothing is left to cancel."""
+    """A final or error record came, or Redis refused to queue it: nothing is left to cancel."""
     final: Final | None = None
     ended_at: float = 0.0
     """When the final or error record came: the request's end, which its latencies are measured
@@ -183,6 +183,9 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
                                          protocol.REPLY_FIELD, state.mux.key, protocol.FIELD, sealed)
             except (RedisError, OSError) as exc:
                 job.outcome, job.status = "redis_unavailable", 503
+                # Refused (out of memory, read-only): never queued, so nothing to cancel. A reply
+                # lost on the way (a timeout, a cut connection) may hide a queued request.
+                job.worker_done = isinstance(exc, ResponseError)
                 raise redis_unavailable("cannot queue the request", exc) from None
         if parsed.stream:
             return await _stream(request, job)
