@@ -54,6 +54,11 @@ SEND_ON_DEATH_S = 5.0
 """How long a worker whose engine died keeps trying to send what it reported (Redis may be
 slow or away); what is not sent by then stays pending, for another worker to run again."""
 
+CLEANUP_S = 10.0
+"""How long a worker whose grace is over gives its cancelled run to end (close the engine,
+remove its heartbeat: a Redis read timeout at most) before it cancels it once more, in case
+redis-py swallowed the cancel (see :func:`slogate.tasks.cancel_and_wait`)."""
+
 INTAKE_BLOCK_MS = 500
 """How long the intake's XREADGROUP waits in Redis for a request."""
 READ_RETRY_S = 0.5
@@ -915,7 +920,9 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
         task.result()
     except TimeoutError:
         log.warning("grace period over; %d request(s) left pending for other workers", len(worker.inflight))
-        task.cancel()
+        # Awaited, not only cancelled: its end closes the engine and removes its heartbeat, which
+        # asyncio.run's cancel of what is left as this returns cut short, leaving it to expire.
+        await cancel_and_wait([task], every_s=CLEANUP_S)
     finally:
         stopping.cancel()
         await redis.aclose()

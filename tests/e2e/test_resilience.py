@@ -1,4 +1,4 @@
-"""Redis going away, a gateway told to stop, unreadable messages and clients that stop reading."""
+"""Redis going away, a gateway or a worker told to stop, unreadable messages and clients that stop reading."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from slogate import keys
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack, http_get
 from tests.e2e.conftest import FAST_FLEET, MODEL
-from tests.e2e.test_failures import running
+from tests.e2e.test_failures import running, wait_for
 
 SCORE = {"model": MODEL, "messages": [{"role": "user", "content": "score txn 3"}], "max_tokens": 4}
 
@@ -176,6 +176,49 @@ async def test_a_second_signal_ends_the_grace_at_once(redis_server: LocalRedis, 
         client.close()
     log = (tmp_path / "logs" / "gateway-0.log").read_text()
     assert log.count("a second signal cut the grace short") == 1, log
+
+
+def holding_worker(server: LocalRedis, tmp_path: Path, *args: str) -> tuple[Stack, subprocess.Popen[bytes]]:
+    """A gateway and the pool's one worker, at 20 s a thousand tokens; heartbeats that outlive a
+    worker by seconds, unless it removes its own."""
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_HEARTBEAT_TTL_S": "5", "SLOGATE_CLAIM_IDLE_S": "60",
+                               "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
+                  log_dir=tmp_path / "logs")
+    stack.gateway()
+    worker = stack._spawn("worker", "--pool", "interactive", "--engine", "sim", "-o", "decode_base_s=0.02",
+                          "-o", "decode_s_per_seq=0", *args)
+    stack.wait_models(MODEL)
+    return stack, worker
+
+
+async def left_to_another_worker(stack: Stack, client: redis.Redis, answer: asyncio.Task) -> None:
+    """The stopped worker's request is still pending, its heartbeat gone; a new worker finishes it."""
+    assert not list(client.scan_iter("slogate:hb:*")) and not client.smembers(keys.WORKERS), \
+        "a worker removes its heartbeat as it exits"
+    assert client.xpending(keys.queue("interactive"), keys.GROUP)["pending"] == 1
+    stack.worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
+    resp = await asyncio.wait_for(answer, 20)
+    assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 1000
+
+
+async def test_a_worker_whose_grace_runs_out_removes_its_heartbeat(redis_server: LocalRedis, tmp_path: Path) -> None:
+    """It was left to expire: the gateway counted a gone worker, and other workers took its
+    requests over only once it had."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    stack, worker = holding_worker(redis_server, tmp_path, "--grace", "1")
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=40)) as s:
+            answer = asyncio.create_task(s.post(stack.url + "/v1/chat/completions", json={**SCORE, "max_tokens": 1000}))
+            await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to start")
+            worker.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(worker.wait, 10) == 0
+            await left_to_another_worker(stack, client, answer)
+    finally:
+        stack.stop()
+        client.close()
+    log = (tmp_path / "logs" / "worker-1.log").read_text()
+    assert "grace period over; 1 request(s) left pending for other workers" in log, log
 
 
 async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_the_grace_end(
