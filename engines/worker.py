@@ -885,9 +885,23 @@ def worker_redis(url: str) -> aioredis.Redis:
                                    health_check_interval=10, **redis_keepalive(url))
 
 
+async def _grace(task: asyncio.Task[None], grace_s: float, now: asyncio.Event) -> None:
+    """Wait up to ``grace_s`` for the draining worker's run (``task``) to end, or until ``now`` is
+    set: a second SIGTERM or Ctrl-C means stop now, as it does to the gateway and ``slogate up``,
+    and not after a grace of 30 s more. TimeoutError if it has not ended: its grace is over."""
+    cut = asyncio.create_task(now.wait())
+    try:
+        await asyncio.wait({task, cut}, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        cut.cancel()
+    if not task.done():
+        raise TimeoutError
+
+
 async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, grace_s: float = 30.0,
                      metrics_port: int = 0) -> None:
-    """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``."""
+    """Serve ``pool`` until SIGTERM/SIGINT; then finish held requests within ``grace_s``, which a
+    second signal ends at once."""
     tracing.setup("slogate-worker")
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     freeze_startup_heap()
@@ -906,8 +920,16 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
     if metrics_port:
         start_http_server(metrics_port, registry=worker.metrics.registry)
     loop = asyncio.get_running_loop()
+    now = asyncio.Event()
+
+    def on_signal() -> None:
+        """The first starts the drain; a second ends its grace (``_grace``)."""
+        if worker._stopping.is_set():
+            now.set()
+        worker.stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
+        loop.add_signal_handler(sig, on_signal)
     task = asyncio.create_task(worker.run())
     stopping = asyncio.create_task(worker._stopping.wait())
     try:
@@ -915,11 +937,12 @@ async def run_worker(engine: Engine | EngineProcess, cfg: Config, pool: str, gra
         if not task.done():
             log.info("draining: finishing %d request(s) within %.0f s, taking no new ones",
                      len(worker.inflight), grace_s)
-            await asyncio.wait_for(asyncio.shield(task), grace_s)
+            await _grace(task, grace_s, now)
             log.info("drained; the worker exits")
         task.result()
     except TimeoutError:
-        log.warning("grace period over; %d request(s) left pending for other workers", len(worker.inflight))
+        why = "a second signal cut the grace short" if now.is_set() else "grace period over"
+        log.warning("%s; %d request(s) left pending for other workers", why, len(worker.inflight))
         # Awaited, not only cancelled: its end closes the engine and removes its heartbeat, which
         # asyncio.run's cancel of what is left as this returns cut short, leaving it to expire.
         await cancel_and_wait([task], every_s=CLEANUP_S)

@@ -198,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "engines run in a process of their own, so the engine's Python and the worker's "
                          "Redis I/O never wait for each other's GIL")
     wk.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics (0: off)")
-    wk.add_argument("--grace", type=float, default=30.0, help="seconds held requests get on SIGTERM")
+    wk.add_argument("--grace", type=float, default=30.0,
+                    help="seconds held requests get on SIGTERM (a second signal ends the grace at once, "
+                         "leaving them to other workers)")
     wk.set_defaults(func=cmd_worker)
 
     au = add("audit-export", help="print the audit trail as JSON lines, oldest first")

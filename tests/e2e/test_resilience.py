@@ -221,6 +221,33 @@ async def test_a_worker_whose_grace_runs_out_removes_its_heartbeat(redis_server:
     assert "grace period over; 1 request(s) left pending for other workers" in log, log
 
 
+async def test_a_second_signal_ends_a_workers_grace_at_once(redis_server: LocalRedis, tmp_path: Path) -> None:
+    """As it does the gateway's and ``slogate up``'s: the worker waited out its whole grace (30 s
+    here) all the same. What it holds is left as at the grace's end, for other workers."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    stack, worker = holding_worker(redis_server, tmp_path)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=40)) as s:
+            answer = asyncio.create_task(s.post(stack.url + "/v1/chat/completions", json={**SCORE, "max_tokens": 1000}))
+            await asyncio.to_thread(wait_for, lambda: running(client) == 1, 5, "the request to start")
+            worker.send_signal(signal.SIGTERM)
+            await asyncio.sleep(1.0)
+            assert worker.poll() is None, "one signal leaves held requests their grace"
+            worker.send_signal(signal.SIGTERM)
+            try:
+                assert await asyncio.to_thread(worker.wait, 10) == 0
+            except subprocess.TimeoutExpired:
+                raise AssertionError("the worker ran on into its grace after a second SIGTERM") from None
+            await left_to_another_worker(stack, client, answer)
+    finally:
+        stack.stop()
+        client.close()
+    log = (tmp_path / "logs" / "worker-1.log").read_text()
+    assert log.count("a second signal cut the grace short; 1 request(s) left pending for other workers") == 1, log
+    assert "grace period over" not in log, log
+
+
 async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_the_grace_end(
         redis_server: LocalRedis, tmp_path: Path) -> None:
     """Its write never completes, so aiohttp cancels its handler at shutdown: that was logged
