@@ -425,6 +425,14 @@ async def test_a_request_stopped_while_redis_refused_the_gateways_renewals_is_an
         client.close()
 
 
+def stops_on_sigterm(proc: subprocess.Popen, within_s: float) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the process did not exit within {within_s:g} s of SIGTERM") from None
+
+
 def test_a_gateway_told_to_stop_while_redis_hangs_exits(own_redis: LocalRedis) -> None:
     """Redis frozen (SIGSTOP: a hung host, a stalled VM), nothing in flight: the last clean-up
     went through the result reader's connection, which has no read timeout, and over the Unix
@@ -434,11 +442,7 @@ def test_a_gateway_told_to_stop_while_redis_hangs_exits(own_redis: LocalRedis) -
     try:
         own_redis.proc.send_signal(signal.SIGSTOP)
         time.sleep(0.5)
-        gateway.send_signal(signal.SIGTERM)
-        try:
-            gateway.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the gateway did not exit within 30 s of SIGTERM") from None
+        stops_on_sigterm(gateway, 30)
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
         stack.stop()
@@ -465,11 +469,7 @@ async def test_a_gateway_told_to_stop_while_redis_hangs_exits_though_cancels_wer
                 r.close()
                 await asyncio.sleep(2.5)
         await asyncio.sleep(3.0)  # both failed once (the commands' read timeout is 5 s), and wait for a retry
-        gateway.send_signal(signal.SIGTERM)
-        try:
-            gateway.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the gateway did not exit within 40 s of SIGTERM") from None
+        stops_on_sigterm(gateway, 40)
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
         stack.stop()
