@@ -128,10 +128,7 @@ async def test_requests_still_open_when_the_grace_ends_get_a_503_and_stop(redis_
         assert await long == 503
         assert '"code":"shutting_down"' in events[-2] and events[-1] == "data: [DONE]"
         assert gateway.wait(timeout=10) == 0, "the gateway exits once the grace is over"
-        deadline = time.monotonic() + 5
-        while running(client):
-            assert time.monotonic() < deadline, "the worker stops what nobody waits for"
-            await asyncio.sleep(0.05)
+        await worker_stops(client)
     finally:
         stack.stop()
         client.close()
@@ -167,10 +164,7 @@ async def test_a_second_signal_ends_the_grace_at_once(redis_server: LocalRedis, 
         assert gateway.wait(timeout=10) == 0
         audited = [json.loads(fields[b"e"]) for _, fields in client.xrange("slogate:audit")]
         assert [r["outcome"] for r in audited if r.get("request_id") == "second-signal"] == ["shutting_down"]
-        deadline = time.monotonic() + 5
-        while running(client):
-            assert time.monotonic() < deadline, "the worker stops what nobody waits for"
-            await asyncio.sleep(0.05)
+        await worker_stops(client)
     finally:
         stack.stop()
         client.close()
@@ -423,6 +417,13 @@ async def test_a_request_stopped_while_redis_refused_the_gateways_renewals_is_an
     finally:
         stack.stop()
         client.close()
+
+
+async def worker_stops(client) -> None:
+    deadline = time.monotonic() + 5
+    while running(client):
+        assert time.monotonic() < deadline, "the worker stops what nobody waits for"
+        await asyncio.sleep(0.05)
 
 
 def stops_on_sigterm(proc: subprocess.Popen, within_s: float) -> None:
