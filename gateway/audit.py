@@ -41,7 +41,8 @@ from slogate import keys
 log = logging.getLogger("slogate.gateway")
 _json = msgspec.json.Encoder()
 STREAM = f"{keys.PREFIX}:audit"
-FIELDS = ("id", "key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome")
+FIELDS = ("id", "key", "model", "cls", "pool", "decision", "prompt_tokens", "completion_tokens", "outcome",
+          "queue_ms", "ttft_ms")
 FLUSHES_KEPT = 1024
 """Flush numbers the script remembers per gateway: far more than it keeps unwritten."""
 FLUSHES_TTL_S = 3600

@@ -67,6 +67,11 @@ class _Job:
     def labels(self) -> tuple[str, str, str]:
         return self.gen.cls, self.gen.pool, self.gen.model
 
+    def queue_wait_s(self, final: Final) -> float:
+        """From its arrival here, as its first token is timed: the gateway's own time before
+        queueing is a wait, not prefill."""
+        return final.queue_wait_s + self.gen.enqueued_at - self.arrived
+
 
 async def chat(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "chat")
@@ -209,7 +214,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         state.metrics.in_flight.dec()
         _observe(job)
         request["audit"].update(outcome=job.outcome, prompt_tokens=job.prompt_tokens,
-                                completion_tokens=job.completion_tokens)
+                                completion_tokens=job.completion_tokens, **_timings(job))
 
 
 @contextlib.asynccontextmanager
@@ -481,6 +486,20 @@ worker, and keep probing for minutes once one is back), Redis (down, records los
 way, or this gateway's liveness key lapsing in it), this gateway's drain or its own bug."""
 
 
+def _timings(job: _Job) -> dict[str, float]:
+    """Where one request's time went, for whoever looks it up in the audit trail by its id
+    (the metrics have only distributions): ``queue_ms``, from its arrival here until a worker
+    took it (known once the worker's last record came), and ``ttft_ms``, until its first token
+    (as this gateway streamed it, or as the worker made it for an answer sent whole), beside
+    ``latency_ms`` for the whole. A slow request was then either queued or slow to start."""
+    out = {}
+    if job.final is not None:
+        out["queue_ms"] = round(job.queue_wait_s(job.final) * 1000, 1)
+    if job.first_token_at:
+        out["ttft_ms"] = round((job.first_token_at - job.arrived) * 1000, 1)
+    return out
+
+
 def _observe(job: _Job) -> None:
     """Metrics for every request; for finished ones, teach the admission controller what
     they cost; for ones the pool failed, count it against the pool's breaker."""
@@ -515,10 +534,7 @@ def _observe(job: _Job) -> None:
         m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
     job.state.admission.prompt_tokens.observe(job.parsed.model, job.key, job.parsed.prompt_chars,
                                               len(job.parsed.messages or ()), rec.prompt_tokens)
-    # From arrival, as the first token is: the gateway's own time before queueing is a wait,
-    # not prefill, to what admission learns.
     job.state.admission.observe(
         pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
-        completion_tokens=rec.completion_tokens,
-        queue_wait_s=rec.queue_wait_s + job.gen.enqueued_at - job.arrived,
+        completion_tokens=rec.completion_tokens, queue_wait_s=job.queue_wait_s(rec),
         ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, epoch=job.epoch)

@@ -100,7 +100,9 @@ async def test_audit_trail_has_every_request_and_no_text(traced) -> None:
     assert good["status"] == 200 and good["key"] == "anonymous" and good["model"] == MODEL
     assert good["cls"] == "interactive" and good["decision"] == "fits" and good["outcome"] == "length"
     assert good["completion_tokens"] == 3 and good["prompt_tokens"] > 0
+    assert 0 < good["queue_ms"] < good["ttft_ms"] <= good["latency_ms"], good
     assert bad["status"] == 404 and bad["outcome"] == "rejected" and "id" not in bad
+    assert "queue_ms" not in bad and "ttft_ms" not in bad
     text = json.dumps(lines)
     assert SECRET_PROMPT not in text and answer.strip() not in text
 
@@ -135,6 +137,7 @@ async def test_audit_trail_records_a_client_that_leaves_mid_stream(traced) -> No
     assert gone["status"] == 499 and gone["outcome"] == "cancelled"
     assert gone["model"] == MODEL and gone["decision"] and gone["pool"] == gone["cls"]
     assert 2 <= gone["completion_tokens"] < 2000 and gone["prompt_tokens"] > 0
+    assert 0 < gone["ttft_ms"] < gone["latency_ms"] and "queue_ms" not in gone, "no final record: no worker's wait"
     assert worker_tokens(port) - tokens_before >= gone["completion_tokens"], "a cancelled stream's tokens count"
 
 
