@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.serving_path import HOPS, hops, schedstat, tail_report, trace_hops
+from benchmarks.serving_path import HOPS, UNTRACED_HOPS, audit_hops, hops, schedstat, tail_report, trace_hops
 
 BASE = datetime(2026, 12, 1, 5, 0, tzinfo=timezone.utc).timestamp()
 
@@ -77,6 +77,17 @@ def test_trace_hops_joins_requests_to_their_traces_by_request_id(tmp_path: Path)
     assert len(joined) == 2
     assert [round(h["back to the client"] * 1000, 3) for h in joined] == [2.5, 1.5]
 
+
+def test_audit_hops_split_the_untraced_ttft_by_the_gateways_record() -> None:
+    """Sent at 0, first text at the client at 12 ms; the gateway says 3 ms to a worker and
+    10.5 ms to the first token. A request without a final record (no ``queue_ms``) or never
+    recorded has no split."""
+    records = {"r1": {"request_id": "r1", "queue_ms": 3.0, "ttft_ms": 10.5},
+               "r2": {"request_id": "r2", "ttft_ms": 4.0}}
+    sent = [("r1", BASE, BASE + 0.012), ("r2", BASE, BASE + 0.005), ("r3", BASE, BASE + 0.005)]
+    [split] = audit_hops(records, sent)
+    assert list(split) == UNTRACED_HOPS
+    assert [round(v * 1000, 3) for v in split.values()] == [3.0, 7.5, 1.5]
 
 
 def test_schedstat_counts_time_running_and_time_waiting_for_a_core() -> None:
