@@ -13,6 +13,7 @@ write (the transport buffers it), so neither side can block the other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -119,11 +120,27 @@ class EngineProcess:
                 return report
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the process, by force once ``timeout_s`` has passed."""
-        if self._writer is not None:
-            self._writer.close()
-        else:
-            self._sock.close()
+        """Stop a process whose socket no loop runs yet (it failed to start), by force once
+        ``timeout_s`` has passed; once attached, :meth:`aclose`."""
+        assert self._writer is None, "aclose() once attached"
+        self._sock.close()
+        self._end(timeout_s)
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Stop the process, by force once ``timeout_s`` has passed.
+
+        The loop closes the socket only once it runs again: a close that then waited for the
+        process on the loop kept the engine from seeing the end of its socket, stepping on what
+        it held until it was killed. Here the socket is gone before the wait, which runs off
+        the loop; what was still buffered for the engine is of no use to it now.
+        """
+        assert self._writer is not None, "attach() first"
+        self._writer.transport.abort()
+        with contextlib.suppress(OSError):  # the connection broke first: closed all the same
+            await self._writer.wait_closed()
+        await asyncio.to_thread(self._end, timeout_s)
+
+    def _end(self, timeout_s: float) -> None:
         self._proc.join(timeout_s)
         if self._proc.is_alive():
             self._proc.kill()

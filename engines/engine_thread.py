@@ -49,7 +49,7 @@ class EngineThread:
             if not isinstance(report, Idle):
                 return report
 
-    def close(self, timeout_s: float = 0.0) -> None:
+    async def aclose(self, timeout_s: float = 0.0) -> None:
         """End the thread before its next step (``timeout_s``: as for an engine process)."""
         self._closed.set()
         self._wake.set()

@@ -46,7 +46,7 @@ from slogate.config import DEFAULT_REDIS_URL, Config, redacted, redis_keepalive
 from slogate.crypto import Sealer, SealError
 from slogate.heap import freeze_startup_heap
 from slogate.protocol import Delta, Error, Final, GenerateRequest, Heartbeat, ModelInfo, TokenLogprob
-from slogate.tasks import cancel_and_wait
+from slogate.tasks import cancel_and_wait, despite_cancels
 
 log = logging.getLogger("slogate.worker")
 
@@ -440,8 +440,10 @@ class Worker:
                 await asyncio.wait_for(asyncio.shield(sender), SEND_ON_DEATH_S)
             raise
         finally:
-            await cancel_and_wait([sender, finisher])
-            self.engine.close(1.0)
+            try:
+                await cancel_and_wait([sender, finisher])
+            finally:  # cancelled again meanwhile (the worker's run is): the engine still ends before the run does
+                await despite_cancels(self.engine.aclose(1.0))
 
     async def _finish_engine(self) -> None:
         await self._stopping.wait()

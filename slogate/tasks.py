@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], every_s: float = 0.05) -> None:
@@ -16,3 +16,23 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], every_s: float = 0.05) 
         for t in pending:
             t.cancel()
         _, pending = await asyncio.wait(pending, timeout=every_s)
+
+
+async def despite_cancels(cleanup: Awaitable[None]) -> None:
+    """Await ``cleanup`` to its end, then raise the cancel if one came meanwhile. A task's last
+    cleanup (ending an engine process) would otherwise be cut short by :func:`cancel_and_wait`,
+    which cancels the task again every few milliseconds until it ends: ``cleanup`` must end
+    by itself, and soon."""
+    task = asyncio.ensure_future(cleanup)
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():  # the cleanup itself was cancelled (the loop is closing)
+                raise
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return

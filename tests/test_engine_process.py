@@ -21,10 +21,12 @@ from transformers import AutoTokenizer
 from engines.base import EngineRequest
 from engines.engine_process import EngineDied, EngineProcess
 from engines.registry import create_engine, start_engine_process
-from engines.worker import Worker, WorkerSettings
+from engines.stepping import Step
+from engines.worker import CLEANUP_S, Worker, WorkerSettings
 from slogate import keys, protocol
 from slogate.processes import python_path
 from slogate.protocol import Delta, Final, GenerateRequest, SamplingParams
+from slogate.tasks import cancel_and_wait
 from tests.e2e.test_up import children, wait_gone
 
 REPLIES = keys.replies("test-engine-process")
@@ -131,6 +133,35 @@ async def test_a_dead_engine_process_stops_the_worker_and_leaves_its_requests_pe
         assert pending["pending"] == 1  # not acknowledged: another worker claims it
     finally:
         await client.aclose()
+
+
+async def test_an_engine_process_closed_while_it_holds_work_ends_by_itself() -> None:
+    """Its socket closed only once the loop ran again, and the close blocked the loop on the
+    process: the engine stepped on for the whole timeout and was killed (exit code -9)."""
+    engine = EngineProcess(partial(create_engine, "sim", None, {"decode_base_s": 0.05}))
+    await engine.attach()
+    engine.send(("add", EngineRequest("held", SamplingParams(max_tokens=1000), time.time() + 60, "hello")))
+    assert isinstance(await engine.next(), Step)
+    await engine.aclose(10)
+    assert engine._proc.exitcode == 0
+
+
+async def test_a_worker_stopped_while_its_engine_process_holds_work_lets_the_engine_end_by_itself(
+        redis_url: str) -> None:
+    """As when its grace is over: the worker's run is cancelled, and its engine ends on the
+    closed socket rather than being killed once the close's timeout has passed."""
+    client = aioredis.Redis.from_url(redis_url)
+    engine = EngineProcess(partial(create_engine, "sim", None, {"decode_base_s": 0.05}))
+    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
+    task = asyncio.create_task(worker.run())
+    try:
+        await send(client, request("held", "hello", 1000))
+        await wait_for(lambda: _has_delta(client, "held"))
+        await cancel_and_wait([task], every_s=CLEANUP_S)  # as run_worker does when the grace is over
+        assert (await client.xpending(keys.queue("p"), keys.GROUP))["pending"] == 1
+    finally:
+        await client.aclose()
+    assert engine._proc.exitcode == 0
 
 
 def test_an_engine_that_cannot_build_names_the_reason(tmp_path: Path) -> None:
