@@ -4,7 +4,11 @@ worker traces every request it ends, however it ends."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -49,6 +53,36 @@ def test_the_traces_own_otlp_endpoint_turns_tracing_on() -> None:
         assert tracing.enabled()
     finally:
         tracing.setup("test", {})
+
+
+EXPORTED_ON = """
+import json, sys, threading
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+from slogate import tracing
+
+threads = []
+export = ConsoleSpanExporter.export
+def noting_thread(self, spans):
+    threads.append(threading.current_thread() is threading.main_thread())
+    return export(self, spans)
+ConsoleSpanExporter.export = noting_thread
+assert tracing.setup("test")
+with tracing.span("request"):
+    pass
+tracing.shutdown()
+print(json.dumps(threads))
+"""
+
+
+def test_spans_written_to_a_file_are_written_off_the_callers_thread(tmp_path: Path) -> None:
+    """Written as each span ended, on the event loop, the spans held up the requests they
+    traced. They are written in batches on the processor's thread now, and all of them by the
+    time tracing shuts down."""
+    path = tmp_path / "spans.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "file", "SLOGATE_TRACE_FILE": str(path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", EXPORTED_ON], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == [False], "exported once, not on the thread that ended the span"
+    assert [json.loads(line)["name"] for line in path.read_text().splitlines()] == ["request"]
 
 
 async def test_a_request_that_ends_without_running_is_traced_too(redis_url: str, monkeypatch) -> None:
