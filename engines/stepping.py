@@ -110,6 +110,8 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
         started = time.perf_counter()
         try:
             outputs = engine.step(arrivals, send)
+        except (ConnectionError, EOFError):  # reporting during the step: the worker is gone, not the engine
+            raise
         except Exception:  # an engine bug or out of memory: fail what it held, keep serving
             log.exception("engine step failed; failing the %d request(s) it held", len(held))
             for request_id in held:

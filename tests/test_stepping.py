@@ -162,3 +162,30 @@ def test_an_engine_that_a_failed_step_left_holding_nothing_reports_its_load_as_i
     assert [type(r).__name__ for r in reports] == ["Step", "Failure", "Idle"]
     assert reports[0].load.running == 1
     assert reports[-1].load.running == 0 and reports[-1].load.kv_usage == 0.0
+
+
+class SendsDuringItsStep(Recorder):
+    """Hands an output on while its step runs, as the stream engine does."""
+
+    def step(self, arrivals=None, send=None) -> list[StepOutput]:
+        send([StepOutput("a", "x", [1])])
+        return []
+
+
+def test_a_worker_gone_while_a_step_hands_outputs_on_ends_the_loop_not_as_the_steps_failure(caplog):
+    """The worker closes an engine process's socket when it stops with work held; the step
+    then in progress cannot report. That is the worker's end, for which the process exits
+    quietly, not the engine failing its requests with an error and a traceback in the log."""
+    engine = SendsDuringItsStep(during_first_step=[])
+    engine.inbox.append(("add", request("a")))
+
+    def next_command(wait: bool):
+        return engine.inbox.popleft() if engine.inbox else None
+
+    def report(r: Report) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):
+        step_until_stopped(engine, next_command, report)
+    assert "engine step failed" not in caplog.text
+    assert "abort a" not in engine.log, "nothing is failed: the worker that held it is gone"
