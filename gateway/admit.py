@@ -57,7 +57,7 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
                 decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
                                       max_tokens=max_tokens, signals=state.directory.signals(), now=now,
                                       model=parsed.model, deadline=deadline,
-                                      sent_at=sent_at, behind_held=turn is None and bool(state.holds))
+                                      sent_at=sent_at, behind_held=turn is None and bool(state.holds), n=parsed.n)
                 if decision.outcome != "wait":
                     state.metrics.decided(cls, decision.outcome, decision.reason)
                     break

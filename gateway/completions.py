@@ -7,14 +7,14 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from redis.exceptions import RedisError, ResponseError
 
+from gateway import choices, schema
 from gateway import openai_shapes as shapes
-from gateway import schema
 from gateway.admit import admit, retry_headers
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, redis_unavailable
@@ -34,7 +34,8 @@ CLASS_HEADER = "x-slogate-class"
 
 @dataclass
 class _Job:
-    """One admitted request on its way through the gateway."""
+    """One admitted request on its way through the gateway: one of its choices (``n``), each an
+    engine request of its own (:mod:`gateway.choices`)."""
 
     state: GatewayState
     parsed: schema.ParsedRequest
@@ -62,6 +63,12 @@ class _Job:
     """The HTTP status of a failed request: 5xx other than 504 count against the pool's
     breaker. A missed deadline is a latency signal (the feedback loop's business), and counting
     it would let a client trip a pool for everyone by asking for impossible deadlines."""
+    index: int = 0
+    """Which of the request's choices it is."""
+    relay: Relay = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.relay = Relay(streamed=self.parsed.stream, deterministic=self.gen.sampling.deterministic)
 
     @property
     def labels(self) -> tuple[str, str, str]:
@@ -133,7 +140,7 @@ async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.S
         caller = state.keys.authenticate(request.headers.get("Authorization"))
         request["audit"]["key"] = caller.key_id
         body = await _read_body(request, state.cfg.max_body_bytes, state.cfg.client_timeout_s)
-        parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages)
+        parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages, state.cfg.max_n)
         request["audit"]["model"] = parsed.model
         state.keys.check_model(caller, parsed.model)
         _check_model(state, parsed, caller)
@@ -156,11 +163,13 @@ async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.S
             if span is not None:
                 span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
         request["audit"].update(pool=decision.pool, decision=decision.reason)
-        slot = state.directory.own.start(decision.pool, decision.busy_until or time.time())
+        busy_until = decision.busy_until or time.time()
+        slots = [state.directory.own.start(decision.pool, busy_until) for _ in range(parsed.n)]
         try:
             return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
         finally:
-            state.directory.own.end(decision.pool, slot)
+            for slot in slots:
+                state.directory.own.end(decision.pool, slot)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
@@ -174,47 +183,72 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         request_id=request["request_id"])
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": decision.reason}
-    job = _Job(state, parsed, gen, state.mux.subscribe(request_id, parsed.stream, pool), arrived, headers,
-               decision.epoch, request["audit"]["key"])
+    jobs = [_Job(state, parsed, choice, state.mux.subscribe(choice.id, parsed.stream, pool), arrived, headers,
+                 decision.epoch, request["audit"]["key"], index=i)
+            for i, choice in enumerate(choices.fan_out(gen, parsed.n))]
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1
     state.metrics.in_flight.inc()
     try:
         with tracing.span("enqueue", **{"slogate.pool": pool}):
-            try:
-                sealed = state.sealer.seal(protocol.encode(gen), request_id.encode())
-                await state.batcher.call("XADD", keys.queue(pool), "*", protocol.ID_FIELD, request_id,
-                                         protocol.REPLY_FIELD, state.mux.key, protocol.FIELD, sealed)
-            except (RedisError, OSError) as exc:
-                job.outcome, job.status = "redis_unavailable", 503
-                # Refused (out of memory, read-only): never queued, so nothing to cancel. A reply
-                # lost on the way (a timeout, a cut connection) may hide a queued request.
-                job.worker_done = isinstance(exc, ResponseError)
-                raise redis_unavailable("cannot queue the request", exc) from None
-        if parsed.stream:
-            return await _stream(request, job)
-        return await _collect(job)
+            await _enqueue(state, jobs)
+        if len(jobs) == 1:
+            return await _answer(request, jobs, jobs[0].sub)
+        async with choices.merged(jobs) as merged:
+            return await _answer(request, jobs, merged)
     except APIError as err:  # which class, pool and decision it failed in, as a success says
         err.headers = {**headers, **(err.headers or {})}
         raise
     except asyncio.CancelledError:
-        if state.grace_over and not job.ended_at:  # the gateway's end (``GatewayState.grace_over``), not its client's
-            job.outcome, job.status = "shutting_down", 503
+        if state.grace_over:  # the gateway's end (``GatewayState.grace_over``), not its client's
+            for job in jobs:
+                if not job.ended_at:
+                    job.outcome, job.status = "shutting_down", 503
         raise
     except Exception as exc:
         if not isinstance(exc, ConnectionResetError):  # a client that left is cancelled; this, the gateway's bug
-            job.outcome, job.status = "internal_error", 500
+            for job in jobs:
+                job.outcome, job.status = "internal_error", 500
         raise
     finally:
-        if not job.worker_done:
-            state.cancel(request_id, deadline)
-        state.mux.unsubscribe(job.sub)
+        for job in jobs:
+            if not job.worker_done:
+                state.cancel(job.gen.id, deadline)
+            state.mux.unsubscribe(job.sub)
         state.in_flight -= 1
         state.metrics.in_flight.dec()
-        _observe(job)
-        request["audit"].update(outcome=job.outcome, prompt_tokens=job.prompt_tokens,
-                                completion_tokens=job.completion_tokens, **_timings(job))
+        whole = jobs[0] if len(jobs) == 1 else choices.as_one(jobs)
+        _observe(whole)
+        request["audit"].update(outcome=whole.outcome, prompt_tokens=whole.prompt_tokens,
+                                completion_tokens=whole.completion_tokens, **_timings(whole))
+
+
+async def _enqueue(state: GatewayState, jobs: list[_Job]) -> None:
+    """Queue every choice (in one pipeline: they are sent before any reply is awaited)."""
+    sent = [state.batcher.call("XADD", keys.queue(job.gen.pool), "*", protocol.ID_FIELD, job.gen.id,
+                               protocol.REPLY_FIELD, state.mux.key, protocol.FIELD,
+                               state.sealer.seal(protocol.encode(job.gen), job.gen.id.encode()))
+            for job in jobs]
+    failed = None
+    for job, queued in zip(jobs, sent):
+        try:
+            await queued
+        except (RedisError, OSError) as exc:
+            job.outcome, job.status = "redis_unavailable", 503
+            # Refused (out of memory, read-only): never queued, so nothing to cancel. A reply
+            # lost on the way (a timeout, a cut connection) may hide a queued request.
+            job.worker_done = isinstance(exc, ResponseError)
+            failed = failed or exc
+    if failed is not None:
+        raise redis_unavailable("cannot queue the request", failed) from None
+
+
+async def _answer(request: web.Request, jobs: list[_Job], source: Subscription | choices.Merged) -> web.StreamResponse:
+    """``source``: a lone choice's subscription, or the choices' records merged."""
+    if jobs[0].parsed.stream:
+        return await _stream(request, jobs, source)
+    return await _collect(jobs, source)
 
 
 @contextlib.asynccontextmanager
@@ -310,7 +344,8 @@ def _classify(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller,
 
 async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.ParsedRequest) -> None:
     rpm, tpm = state.cfg.policies.rate_limits.for_key(caller.key_id)
-    tokens = prior_estimate(parsed.prompt_chars, len(parsed.messages or ())) + parsed.sampling.max_tokens
+    # Each choice may take max_tokens; the prompt is one for all of them, as their usage counts it.
+    tokens = prior_estimate(parsed.prompt_chars, len(parsed.messages or ())) + parsed.sampling.max_tokens * parsed.n
     try:
         verdict = await state.limiter.check(caller.key_id, rpm, tpm, tokens)
     except (RedisError, OSError) as exc:
@@ -324,19 +359,30 @@ async def _rate_limit(state: GatewayState, caller: Caller, parsed: schema.Parsed
                    {"x-slogate-reason": f"rate-limit:{verdict.reason}", **retry_headers(verdict.retry_after_s)})
 
 
-async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[None]] | None = None):
-    """Yield (new text, record) for each record that moves the answer on, until the last, and
-    (None, QUIET) when a stream has heard nothing for a while. ``before_wait`` is awaited
-    whenever no record is queued, before waiting for one."""
+async def _records(jobs: list[_Job], records: asyncio.Queue[Any],
+                   before_wait: Callable[[], Awaitable[None]] | None = None):
+    """Yield (choice, new text, record) for each record that moves a choice's answer on, until
+    every choice's last, and (choice, None, QUIET) when a stream has heard nothing for a while.
+    ``records`` holds a lone choice's records, or the choices' (choice, record) pairs
+    (:func:`gateway.choices.merged`). ``before_wait`` is awaited whenever no record is queued,
+    before waiting for one."""
+    lone = jobs[0] if len(jobs) == 1 else None
+    left = len(jobs)
     try:
-        async with asyncio.timeout(job.gen.deadline - time.time() + LATE_S):
+        async with asyncio.timeout(jobs[0].gen.deadline - time.time() + LATE_S):
             while True:
-                if before_wait is not None and job.sub.records.empty():
+                if before_wait is not None and records.empty():
                     await before_wait()
-                rec = await job.sub.records.get()
+                if lone is not None:
+                    job, rec = lone, await records.get()
+                else:
+                    job, rec = await records.get()
+                    if job.ended_at:  # its answer is whole: what comes after its last record is none of it
+                        continue
                 if rec is QUIET:
-                    yield None, rec
+                    yield job, None, rec
                     continue
+                relay = job.relay
                 try:
                     text = relay.accept(rec)
                 except SplicedOutput as exc:
@@ -350,11 +396,15 @@ async def _records(job: _Job, relay: Relay, before_wait: Callable[[], Awaitable[
                         job.first_token_at = time.time()
                 elif rec.attempt and rec.attempt < relay.attempt:
                     continue
-                yield text, rec
+                yield job, text, rec
                 if not isinstance(rec, Delta):
-                    return
+                    left -= 1
+                    if not left:
+                        return
     except TimeoutError:
-        job.outcome, job.status = "deadline_exceeded", 504
+        for job in jobs:
+            if not job.ended_at:
+                job.outcome, job.status = "deadline_exceeded", 504
         raise APIError(504, "the request did not finish before its deadline", None,
                        "deadline_exceeded") from None
 
@@ -382,20 +432,28 @@ def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
     return None
 
 
-async def _collect(job: _Job) -> web.Response:
-    relay = Relay(streamed=False, deterministic=job.gen.sampling.deterministic)
-    async for _, rec in _records(job, relay):
+async def _collect(jobs: list[_Job], source: Subscription | choices.Merged) -> web.Response:
+    async for job, _, rec in _records(jobs, source.records):
         if isinstance(rec, Delta):
             continue
         err = _final_error(job, rec)
         if err is not None:
             raise err
-        body = shapes.full_response(
-            job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id), int(job.arrived),
-            job.gen.model, relay.text, rec.finish_reason, shapes.usage(rec.prompt_tokens, rec.completion_tokens),
-            relay.logprobs if job.gen.sampling.logprobs is not None else None)
-        return web.Response(body=body, content_type="application/json", headers=job.headers)
-    raise APIError(502, "the result stream ended without a final record", None, "worker_failed")
+    job = jobs[0]  # what the choices share
+    kind, logprobs = job.parsed.kind, job.gen.sampling.logprobs is not None
+    answers = [shapes.choice(kind, j.index, j.relay.text, j.outcome, j.relay.logprobs if logprobs else None)
+               for j in jobs]  # each one's outcome is its finish reason
+    body = shapes.full_response(kind, shapes.response_id(kind, job.gen.id), int(job.arrived), job.gen.model,
+                                answers, _usage(jobs))
+    return web.Response(body=body, content_type="application/json", headers=job.headers)
+
+
+def _usage(jobs: list[_Job]) -> dict[str, int]:
+    """The request's usage so far (a stream may send it with every chunk): a lone choice's own
+    counts, with nothing summed for it."""
+    if len(jobs) == 1:
+        return shapes.usage(jobs[0].prompt_tokens, jobs[0].completion_tokens)
+    return shapes.usage(*choices.usage(jobs))
 
 
 STREAM_HOLD_S = 0.5
@@ -407,12 +465,15 @@ LATE_S = 0.25
 answer to the deadline to arrive first."""
 
 
-async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
+async def _stream(request: web.Request, jobs: list[_Job], source: Subscription | choices.Merged) -> web.StreamResponse:
     """Frames are sent once no other record is queued: records that arrived together (a
-    backlog, the last ones) go out in one write, one syscall and one wakeup of the client."""
-    relay = Relay(streamed=True, deterministic=job.gen.sampling.deterministic)
-    chunks = shapes.ChunkWriter(job.parsed.kind, shapes.response_id(job.parsed.kind, job.gen.id),
-                                int(job.arrived), job.gen.model)
+    backlog, the last ones) go out in one write, one syscall and one wakeup of the client.
+    Each choice has its own frames (its index, its log-probabilities' offsets); the usage, if
+    asked for, comes once all have finished."""
+    job = jobs[0]  # what the choices share
+    parsed, logprobs = job.parsed, job.gen.sampling.logprobs is not None
+    rid = shapes.response_id(parsed.kind, job.gen.id)
+    chunks = [shapes.ChunkWriter(parsed.kind, rid, int(job.arrived), job.gen.model, j.index) for j in jobs]
     out: list[bytes] = []
 
     async def start() -> web.StreamResponse:
@@ -420,8 +481,8 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
             **job.headers, "content-type": "text/event-stream", "cache-control": "no-cache",
             "x-request-id": request["request_id"], "x-accel-buffering": "no"})
         await resp.prepare(request)
-        if job.parsed.kind == "chat":
-            out.append(chunks.role())
+        if parsed.kind == "chat":
+            out.extend(c.role() for c in chunks)
         return resp
 
     async def send() -> None:
@@ -433,27 +494,27 @@ async def _stream(request: web.Request, job: _Job) -> web.StreamResponse:
     resp = None
     late_at = job.gen.deadline + LATE_S
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(job.sub.arrived.wait(), max(0.0, min(STREAM_HOLD_S, late_at - time.time())))
-    if not job.sub.arrived.is_set() and time.time() < late_at:  # past it, the answer is the 504 itself
+        await asyncio.wait_for(source.arrived.wait(), max(0.0, min(STREAM_HOLD_S, late_at - time.time())))
+    if not source.arrived.is_set() and time.time() < late_at:  # past it, the answer is the 504 itself
         resp = await start()
         await send()
     try:
-        async for text, rec in _records(job, relay, send):
+        async for choice, text, rec in _records(jobs, source.records, send):
             if rec is QUIET:  # before the headers, nothing needs keeping alive yet
                 if resp is not None:
                     out.append(shapes.KEEP_ALIVE)
             elif isinstance(rec, Delta):
                 resp = resp or await start()
-                use = shapes.usage(rec.prompt_tokens, rec.completion_tokens) if job.parsed.continuous_usage else None
-                out.append(chunks.text(text, use, relay.fresh if job.gen.sampling.logprobs is not None else None))
+                use = _usage(jobs) if parsed.continuous_usage else None
+                out.append(chunks[choice.index].text(text, use, choice.relay.fresh if logprobs else None))
             else:
-                err = _final_error(job, rec)
+                err = _final_error(choice, rec)
                 if err is not None:
                     raise err
                 resp = resp or await start()
-                out.append(chunks.finish(rec.finish_reason))
-                if job.parsed.include_usage:
-                    out.append(chunks.usage(shapes.usage(rec.prompt_tokens, rec.completion_tokens)))
+                out.append(chunks[choice.index].finish(rec.finish_reason))
+        if parsed.include_usage:
+            out.append(chunks[0].usage(_usage(jobs)))
     except APIError as err:
         if resp is None:  # nothing sent yet: the error is the answer, with its own status
             raise

@@ -96,28 +96,28 @@ def _top(token: str, entry: TokenLogprob) -> dict[str, float]:
     return top
 
 
-def full_response(kind: str, rid: str, created: int, model: str, text: str, finish_reason: str,
-                  use: dict[str, int], logprobs: list[TokenLogprob] | None = None) -> bytes:
-    """``logprobs``: None when the request did not ask for them."""
+def choice(kind: str, index: int, text: str, finish_reason: str,
+           logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    """One of a response's choices; ``logprobs``: None when the request did not ask for them."""
     if kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text,
-                  "logprobs": None if logprobs is None else completion_logprobs(logprobs),
-                  "finish_reason": finish_reason}
-        obj = "text_completion"
-    return _json.encode({"id": rid, "object": obj, "created": created, "model": model,
-                         "choices": [choice], "usage": use})
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs), "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": None if logprobs is None else completion_logprobs(logprobs),
+            "finish_reason": finish_reason}
+
+
+def full_response(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                  use: dict[str, int]) -> bytes:
+    return _json.encode({"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                         "created": created, "model": model, "choices": choices, "usage": use})
 
 
 class ChunkWriter:
-    """Builds the SSE frames of one streamed response."""
+    """Builds the SSE frames of one choice (``index``) of a streamed response."""
 
-    def __init__(self, kind: str, rid: str, created: int, model: str) -> None:
+    def __init__(self, kind: str, rid: str, created: int, model: str, index: int = 0) -> None:
         self.kind = kind
+        self.index = index
         self.offsets = TextOffsets()
         """Where the tokens start in the completion (for completions' log-probabilities)."""
         self.head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -127,23 +127,23 @@ class ChunkWriter:
         return b"data: " + _json.encode({**self.head, "choices": choices, **extra}) + b"\n\n"
 
     def role(self) -> bytes:
-        return self._frame([{"index": 0, "delta": {"role": "assistant", "content": ""},
+        return self._frame([{"index": self.index, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}])
 
     def text(self, text: str, use: dict[str, int] | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
         """``logprobs``: the chunk's tokens', or None when the request did not ask for them."""
         extra = {} if use is None else {"usage": use}
         if self.kind == "chat":
-            return self._frame([{"index": 0, "delta": {"content": text},
+            return self._frame([{"index": self.index, "delta": {"content": text},
                                  "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                                  "finish_reason": None}], **extra)
         shown = None if logprobs is None else completion_logprobs(logprobs, self.offsets)
-        return self._frame([{"index": 0, "text": text, "logprobs": shown, "finish_reason": None}], **extra)
+        return self._frame([{"index": self.index, "text": text, "logprobs": shown, "finish_reason": None}], **extra)
 
     def finish(self, finish_reason: str) -> bytes:
         if self.kind == "chat":
-            return self._frame([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
-        return self._frame([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}])
+            return self._frame([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+        return self._frame([{"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason}])
 
     def usage(self, use: dict[str, int]) -> bytes:
         return self._frame([], usage=use)

@@ -200,6 +200,8 @@ class ParsedRequest:
     continuous_usage: bool = False
     """Usage on every streamed chunk (``stream_options.continuous_usage_stats`` with
     ``include_usage``)."""
+    n: int = 1
+    """Choices to answer with, each sampled on its own (:mod:`gateway.choices`)."""
 
     @property
     def prompt_chars(self) -> int:
@@ -219,7 +221,7 @@ _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 
 
 def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int,
-          max_messages: int = 256) -> ParsedRequest:
+          max_messages: int = 256, max_n: int = 8) -> ParsedRequest:
     if not body.strip():
         raise bad_request("request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -235,7 +237,7 @@ def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: 
         raise bad_request(f"request body is not valid JSON: {text}", code="invalid_json") from None
     if isinstance(raw, ChatBody) and len(raw.messages) > max_messages:
         raise bad_request(f"at most {max_messages} messages are allowed, got {len(raw.messages)}", "messages")
-    return _check(kind, raw, default_max_tokens)
+    return _check(kind, raw, default_max_tokens, max_n)
 
 
 def _validation_error(text: str) -> APIError:
@@ -256,11 +258,12 @@ def _validation_error(text: str) -> APIError:
     return bad_request(f"invalid request body: {text}", None, "invalid_type")
 
 
-def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -> ParsedRequest:
+def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int, max_n: int) -> ParsedRequest:
     if not raw.model:
         raise bad_request("'model' must be a non-empty string", "model")
-    if raw.n not in (None, 1):
-        raise bad_request("only n=1 is supported; send one request per completion", "n", "unsupported_value")
+    n = 1 if raw.n is None else raw.n
+    if not 1 <= n <= max_n:
+        raise bad_request(f"'n' must be from 1 to {max_n} (choices to answer with), got {n}", "n")
     if _given(raw.tools):
         raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
     if isinstance(raw, ChatBody):
@@ -322,11 +325,11 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int) -
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
         sampling=sampling, max_tokens_given=max_tokens is not None, max_tokens_param=param,
         continuous_usage=bool(raw.stream_options and raw.stream_options.include_usage
-                              and raw.stream_options.continuous_usage_stats))
+                              and raw.stream_options.continuous_usage_stats), n=n)
     if isinstance(raw, ChatBody):
         parsed.messages = _messages(raw.messages)
     else:
-        parsed.prompt = _prompt(raw)
+        parsed.prompt = _prompt(raw, n)
     return parsed
 
 
@@ -467,14 +470,14 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def _prompt(raw: CompletionBody) -> str:
+def _prompt(raw: CompletionBody, n: int) -> str:
     if raw.echo:
         raise bad_request("echo is not supported by this gateway", "echo", "unsupported_value")
     if raw.suffix:
         raise bad_request("suffix is not supported by this gateway", "suffix", "unsupported_value")
-    if raw.best_of not in (None, 1):
-        raise bad_request("only best_of=1 is supported; send one request per completion", "best_of",
-                          "unsupported_value")
+    if raw.best_of not in (None, n):
+        raise bad_request(f"only best_of={n} (equal to n) is supported: the best of more samples than it "
+                          f"returns is not", "best_of", "unsupported_value")
     prompt = raw.prompt
     if prompt is None:
         raise bad_request("missing required field 'prompt'", "prompt", "missing_required_parameter")

@@ -18,7 +18,7 @@ or its deadline cannot be met.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from policies.circuit import CircuitBreaker
@@ -109,7 +109,7 @@ class AdmissionController:
     def decide(self, *, cls: str, stream: bool, prompt_tokens: int, max_tokens: int | None,
                signals: Mapping[str, PoolSignals], now: float, model: str | None = None,
                deadline: float | None = None, sent_at: float | None = None,
-               behind_held: bool = False) -> Decision:
+               behind_held: bool = False, n: int = 1) -> Decision:
         """Decide for one request. ``signals`` has every pool the gateway knows (queue depth
         from Redis, the live heartbeats); ``max_tokens=None`` is costed at the pool's learned
         mean output. A held-back batch request is asked about again with its ``deadline`` and
@@ -117,11 +117,14 @@ class AdmissionController:
         idle pool is judged against the time it was given, not what holding it has left. An
         interactive request's whole answer must end by its ``deadline`` too.
         ``behind_held``: batch requests are held back already; one that would go to a pool they
-        wait for waits behind them ("behind-held") rather than going first."""
+        wait for waits behind them ("behind-held") rather than going first. ``n``: the request's
+        choices, which run as ``n`` requests of one prompt: it is predicted as the last of them,
+        behind the other ``n - 1`` in its pool (their prompt is prefilled once, so booked once)."""
         own = self.cfg.routing.pools[cls]
         if max_tokens is None:
             max_tokens = round(self.estimate(own[0]).completion_tokens)
-        usable = {p: s for p, s in signals.items() if self.breaker(p).ready(now)}
+        usable = {p: s if n == 1 else replace(s, in_flight=s.in_flight + n - 1)
+                  for p, s in signals.items() if self.breaker(p).ready(now)}
         if cls == "interactive":
             budget = self.budget(stream)
             route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg, now,

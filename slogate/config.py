@@ -77,6 +77,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     """max_tokens of a request that sets none (OpenAI's own default is the whole context)."""
     max_messages: int = 256
     """Messages one chat request may carry."""
+    max_n: int = 8
+    """Choices (``n``) one request may ask for: each is an engine request of its own."""
     max_streams_per_key: int = 64
     """Streams one API key may hold open at once, across all gateways (enforced when keys are on)."""
     max_timeout_s: float = 3600.0
@@ -235,7 +237,7 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 
 def _check_ranges(cfg: Config) -> None:
-    positive = ["port", "audit_max_entries", "max_messages", "max_streams_per_key", "max_body_bytes",
+    positive = ["port", "audit_max_entries", "max_messages", "max_n", "max_streams_per_key", "max_body_bytes",
                 "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
                 "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s",
                 "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s"]

@@ -50,7 +50,7 @@ async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_20
     sub.records.put_nowait(Error("prompt beyond the model's context", "context_length_exceeded", 400, attempt=1))
     sub.arrived.set()
     with pytest.raises(APIError) as refused:
-        await _stream(_http_request(), _stream_job(sub))
+        await _stream(_http_request(), [_stream_job(sub)], sub)
     assert refused.value.status == 400 and refused.value.code == "context_length_exceeded"
 
 
@@ -68,7 +68,7 @@ async def test_a_stream_whose_deadline_passes_while_held_is_a_504_not_a_200() ->
     job = _stream_job(Subscription("r", keep_alive=True))
     job.gen.deadline = time.time() + 0.05
     with pytest.raises(APIError) as late:
-        await _stream(_http_request(writes), job)
+        await _stream(_http_request(writes), [job], job.sub)
     assert (late.value.status, late.value.code) == (504, "deadline_exceeded")
     assert writes.calls == []
 
@@ -111,7 +111,7 @@ async def test_records_that_arrive_together_go_out_in_one_write() -> None:
     sub.records.put_nowait(Delta("a", 0))
     sub.arrived.set()
     writes = _Writes()
-    streaming = asyncio.create_task(_stream(_http_request(writes), _stream_job(sub, include_usage=True)))
+    streaming = asyncio.create_task(_stream(_http_request(writes), [_stream_job(sub, include_usage=True)], sub))
     while not any(kind == "write" for kind, _ in writes.calls):
         await asyncio.sleep(0.001)
     [(_, first)] = [c for c in writes.calls if c[0] == "write"]
@@ -148,7 +148,7 @@ async def test_a_write_the_deadline_cuts_short_is_not_sent_again() -> None:
     job = _stream_job(sub)
     job.gen.deadline = time.time() + 0.3
     writes = SlowClient()
-    await _stream(_http_request(writes), job)
+    await _stream(_http_request(writes), [job], job.sub)
     sent = b"".join(data for _, data in writes.calls)
     assert sent.count(b'"content":"slow"') == 1 and b"deadline_exceeded" in sent
 
@@ -175,7 +175,7 @@ async def test_a_client_that_takes_none_of_the_answers_end_is_cut_off() -> None:
     job.state.cfg.client_timeout_s = 0.2
     request = _http_request(StuckClient())
     with pytest.raises(ConnectionResetError):
-        await asyncio.wait_for(_stream(request, job), 10)
+        await asyncio.wait_for(_stream(request, [job], sub), 10)
     request.transport.abort.assert_called_once()
 
 
@@ -202,7 +202,7 @@ async def test_the_time_a_client_takes_to_read_the_end_is_not_learned_as_the_poo
     job.state = SimpleNamespace(cfg=SimpleNamespace(client_timeout_s=1.0), metrics=GatewayMetrics(),
                                 admission=AdmissionController(load({})))
     with pytest.raises(ConnectionResetError):
-        await _stream(_http_request(StuckClient()), job)
+        await _stream(_http_request(StuckClient()), [job], sub)
     _observe(job)
     assert job.state.admission.estimate("interactive").decode_s_per_token * 8 < 1.0
 
@@ -226,7 +226,6 @@ async def test_a_stale_attempts_record_does_not_set_the_token_counts() -> None:
     """A record of an attempt the relay has moved past is dropped, and so are its counts: the
     request's usage (audit, metrics) is the current attempt's, however it then ends."""
     from gateway.completions import _records
-    from gateway.relay import Relay
     from gateway.results import Subscription
     from slogate.protocol import Delta, Error
 
@@ -236,8 +235,7 @@ async def test_a_stale_attempts_record_does_not_set_the_token_counts() -> None:
                 Error("engine failed", "engine_error", 500, attempt=2)):
         sub.records.put_nowait(rec)
     job = _stream_job(sub)
-    relay = Relay(streamed=True, deterministic=True)
-    texts = [text async for text, _ in _records(job, relay)]
+    texts = [text async for _, text, _ in _records([job], sub.records)]
     assert texts == ["ab", None]
     assert (job.prompt_tokens, job.completion_tokens) == (5, 2)
 

@@ -347,3 +347,79 @@ async def test_a_pool_left_without_workers_ends_its_requests_and_no_later_worker
         stack.stop()
         client.close()
         server.stop()
+
+
+def queued(client: redis.Redis, prompt: str) -> list[protocol.GenerateRequest]:
+    """The requests for ``prompt`` in the queues (encryption is off)."""
+    requests = [protocol.decode_request(fields[protocol.FIELD]) for pool in ("interactive", "batch")
+                for _, fields in client.xrange(f"slogate:q:{pool}", "-", "+")]
+    return [r for r in requests if r.messages and r.messages[0]["content"] == prompt]
+
+
+def idle(client: redis.Redis) -> bool:
+    return running(client) == 0 and not any(
+        client.xpending(f"slogate:q:{p}", "workers")["pending"] for p in ("interactive", "batch"))
+
+
+async def test_a_client_that_leaves_cancels_every_choice_each_seeded_apart(slow_stack: Stack) -> None:
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    payload = {**body(2000, stream=True, prompt="leave n"), "n": 3, "seed": 41, "temperature": 0.8}
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(slow_stack.url + "/v1/chat/completions", json=payload)
+        assert (await resp.content.readline()).startswith(b"data: ")
+        await asyncio.to_thread(wait_for, lambda: running(client) == 3, 5, "the three choices to run")
+        requests = queued(client, "leave n")
+        resp.close()
+    first = min((r.id for r in requests), key=len)
+    assert sorted(r.id for r in requests) == [first, f"{first}-1", f"{first}-2"]
+    assert sorted(r.sampling.seed for r in requests) == [41, 42, 43], "one seed for all would draw one sample"
+    await asyncio.to_thread(wait_for, lambda: idle(client), 15, "the workers to drop every choice")
+    client.close()
+
+
+def _spoil(client: redis.Redis, request_id: str) -> None:
+    """A record for ``request_id`` that its gateway cannot read, as a worker of another
+    protocol would send: that choice fails with a 502 of the gateway's own."""
+    [reply] = _live_replies(client)
+    client.xadd(reply, {protocol.BATCH_FIELD: protocol.encode_batch([(request_id.encode(), b"\x01garbage")])})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_one_failed_choice_fails_the_request_and_cancels_the_others(slow_stack: Stack, stream: bool) -> None:
+    client = redis.Redis.from_url(slow_stack.redis_url)
+    prompt = f"fail one {stream}"
+    async with aiohttp.ClientSession() as s:
+        sent = asyncio.create_task(s.post(slow_stack.url + "/v1/chat/completions",
+                                          json={**body(2000, stream=stream, prompt=prompt), "n": 3}))
+        await asyncio.to_thread(wait_for, lambda: running(client) == 3, 5, "the three choices to run")
+        [second] = [r.id for r in queued(client, prompt) if r.id.endswith("-1")]
+        await asyncio.sleep(0.2)  # every choice well under way
+        _spoil(client, second)
+        resp = await sent
+        if stream:
+            assert resp.status == 200
+            events = await sse_events(resp)
+            errors = [e for e in events if isinstance(e, dict) and "error" in e]
+            assert len(errors) == 1 and errors[0]["error"]["code"] == "protocol_mismatch"
+            assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+            assert {c["index"] for e in events if isinstance(e, dict) for c in e.get("choices", ())} == {0, 1, 2}
+            assert not any(c["finish_reason"] for e in events if isinstance(e, dict) for c in e.get("choices", ()))
+        else:
+            assert resp.status == 502
+            assert (await resp.json())["error"]["code"] == "protocol_mismatch"
+        resp.release()
+    await asyncio.to_thread(wait_for, lambda: idle(client), 15, "the workers to drop every choice")
+    client.close()
+
+
+async def test_choices_past_their_deadline_are_one_504(slow_stack: Stack) -> None:
+    timeout = {"x-slogate-timeout": "0.4"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(slow_stack.url + "/v1/chat/completions", json={**body(200), "n": 2}, headers=timeout) as r:
+            assert r.status == 504 and (await r.json())["error"]["code"] == "deadline_exceeded"
+        async with s.post(slow_stack.url + "/v1/chat/completions", json={**body(200, stream=True), "n": 2},
+                          headers=timeout) as r:
+            events = await sse_events(r)
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] == "deadline_exceeded"
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 
@@ -198,3 +199,13 @@ async def test_requests_without_a_key_cannot_flood_the_audit_trail(guarded: list
     counts = {status: sum(r["count"] for r in new if r["status"] == status) for status in (401, 405)}
     assert counts == {401: 40, 405: 20} and len(new) <= 6
     assert {r["outcome"] for r in new if r["status"] == 401} == {"unauthenticated"}
+
+
+async def test_n_choices_reserve_max_tokens_n_times(guarded: list[Stack]) -> None:
+    """Each choice may take max_tokens: four of 15 are more than a 50-token minute, one is not."""
+    status, body, headers = await post(guarded[0].url, {**SCORE, "max_tokens": 15, "n": 4}, key="sk-small")
+    assert status == 429 and headers["x-slogate-reason"] == "rate-limit:tokens-over-tpm"
+    needs = int(re.search(r"needs (\d+)\)", body["error"]["message"]).group(1))
+    assert 60 < needs < 75, "max_tokens four times, the prompt once"
+    status, _, _ = await post(guarded[0].url, {**SCORE, "max_tokens": 15}, key="sk-small")
+    assert status == 200

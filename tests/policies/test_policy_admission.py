@@ -32,9 +32,10 @@ def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: i
 
 
 def ask(ctl: AdmissionController, sig: dict[str, PoolSignals], cls: str = "interactive", stream: bool = False,
-        max_tokens: int | None = 8, now: float = 0.0, deadline: float | None = None, sent_at: float | None = None):
+        max_tokens: int | None = 8, now: float = 0.0, deadline: float | None = None, sent_at: float | None = None,
+        n: int = 1):
     return ctl.decide(cls=cls, stream=stream, prompt_tokens=100, max_tokens=max_tokens, signals=sig,
-                      now=now, model="m", deadline=deadline, sent_at=sent_at)
+                      now=now, model="m", deadline=deadline, sent_at=sent_at, n=n)
 
 
 def test_idle_interactive_is_admitted_with_a_worker_hint() -> None:
@@ -61,6 +62,22 @@ def test_admission_is_monotone_in_queue_depth() -> None:
     assert first_shed > 0 and not any(admitted[first_shed:])
     retries = [d.retry_after_s for d in decisions[first_shed:]]
     assert all(a <= b for a, b in pairwise(retries))
+
+
+@pytest.mark.parametrize("cls", ["interactive", "batch"])
+def test_n_choices_are_predicted_as_the_last_of_n_requests(cls: str) -> None:
+    """Each choice is an engine request: n of them wait as one would behind n - 1 more."""
+    for n in (2, 5, 12):
+        many = ask(AdmissionController(CFG), signals(i_running=7, b_running=60), cls=cls, n=n)
+        behind = signals(i_depth=n - 1, i_running=7, b_depth=n - 1, b_running=60)
+        alone = ask(AdmissionController(CFG), behind, cls=cls)
+        assert (many.outcome, many.reason, many.predicted_s) == (alone.outcome, alone.reason, alone.predicted_s)
+
+
+def test_what_fits_once_may_not_fit_n_times() -> None:
+    assert ask(AdmissionController(CFG), signals(i_running=7)).admitted
+    many = ask(AdmissionController(CFG), signals(i_running=7), n=8)
+    assert (many.outcome, many.reason) == ("shed", "overloaded")
 
 
 def test_streamed_requests_are_judged_on_the_first_token() -> None:

@@ -1,0 +1,125 @@
+"""``n`` choices: one request fanned out as ``n`` engine requests, their answers merged, through
+a real gateway, Redis and sim workers (whose text depends on the prompt alone, so every choice
+says the same). What a failed or abandoned choice does is in ``test_failures``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from slogate.processes import Stack
+from tests.e2e.conftest import MODEL
+from tests.e2e.test_api import CHAT, sse_events
+from tests.e2e.test_observability import audit_records
+
+
+async def post(url: str, path: str, payload: dict, **headers: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=payload, headers=headers) as r:
+        return r.status, await r.json()
+
+
+async def streamed(url: str, path: str, payload: dict) -> list[dict | str]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json={**payload, "stream": True}) as r:
+        assert r.status == 200
+        return await sse_events(r)
+
+
+async def test_chat_n3_has_three_choices_each_with_its_own_answer_and_usage_summed(stack: Stack) -> None:
+    _, one = await post(stack.url, "/v1/chat/completions", CHAT)
+    status, three = await post(stack.url, "/v1/chat/completions", {**CHAT, "n": 3, "logprobs": True},
+                               **{"x-request-id": "n3-chat"})
+    assert status == 200, three
+    assert [c["index"] for c in three["choices"]] == [0, 1, 2]
+    for choice in three["choices"]:
+        assert choice["message"] == one["choices"][0]["message"]
+        assert choice["finish_reason"] == "length"
+        assert len(choice["logprobs"]["content"]) == 6
+    prompt = one["usage"]["prompt_tokens"]
+    assert three["usage"] == {"prompt_tokens": prompt, "completion_tokens": 18, "total_tokens": prompt + 18}
+    deadline = time.monotonic() + 5
+    while "n3-chat" not in (records := audit_records(stack)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    audited = records["n3-chat"]
+    assert audited["id"] == three["id"] and audited["outcome"] == "length"
+    assert (audited["prompt_tokens"], audited["completion_tokens"]) == (prompt, 18), "counted once, tokens summed"
+
+
+async def test_completions_n3_not_streamed(stack: Stack) -> None:
+    payload = {"model": MODEL, "prompt": "the risk of", "max_tokens": 4, "n": 3}
+    status, body_ = await post(stack.url, "/v1/completions", payload)
+    assert status == 200, body_
+    assert [c["index"] for c in body_["choices"]] == [0, 1, 2]
+    assert all(len(c["text"].split()) == 4 and c["finish_reason"] == "length" for c in body_["choices"])
+    assert body_["usage"]["completion_tokens"] == 12
+    assert body_["usage"]["total_tokens"] == body_["usage"]["prompt_tokens"] + 12
+
+
+def by_choice(chunks: list[dict], key: str) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            part = choice["delta"].get("content") if key == "delta" else choice["text"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + (part or "")
+    return texts
+
+
+async def test_chat_n2_streamed_has_both_choices_their_finishes_one_usage_and_one_done(stack: Stack) -> None:
+    _, one = await post(stack.url, "/v1/chat/completions", CHAT)
+    events = await streamed(stack.url, "/v1/chat/completions",
+                            {**CHAT, "n": 2, "stream_options": {"include_usage": True}})
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert not any("error" in c for c in chunks)
+    assert all(len(c["choices"]) <= 1 for c in chunks), "a chunk carries one choice"
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1]
+    finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"])
+                for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert sorted(finishes) == [(0, "length"), (1, "length")]
+    text = one["choices"][0]["message"]["content"]
+    assert by_choice(chunks, "delta") == {0: text, 1: text}
+    usage = chunks[-1]
+    assert usage["choices"] == []
+    prompt = one["usage"]["prompt_tokens"]
+    assert usage["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+
+
+async def test_completions_n2_streamed_with_log_probabilities_places_each_choices_tokens_in_its_own_text(
+        stack: Stack) -> None:
+    payload = {"model": MODEL, "prompt": "the risk of", "max_tokens": 4, "n": 2, "logprobs": 1}
+    events = await streamed(stack.url, "/v1/completions", payload)
+    chunks = [e for e in events if isinstance(e, dict)]
+    offsets: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks:
+        for choice in c["choices"]:
+            if choice["logprobs"]:
+                offsets[choice["index"]] += choice["logprobs"]["text_offset"]
+    texts = by_choice(chunks, "text")
+    assert texts[0] == texts[1] and len(texts[0].split()) == 4
+    assert offsets[0] == offsets[1] and offsets[0][0] == 0, "each choice's offsets are into its own text"
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
+
+
+def test_openai_sdk_n(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=3, n=3,
+                                          messages=[{"role": "user", "content": "score txn 3"}])
+    assert [c.index for c in chat.choices] == [0, 1, 2]
+    assert all(c.message.content and c.finish_reason == "length" for c in chat.choices)
+    assert chat.usage.completion_tokens == 9
+    done: dict[int, str] = {}
+    texts: dict[int, str] = {0: "", 1: ""}
+    for chunk in client.completions.create(model=MODEL, prompt="risk", max_tokens=3, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                done[choice.index] = choice.finish_reason
+    assert done == {0: "length", 1: "length"} and texts[0] == texts[1] and len(texts[0].split()) == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, max_tokens=3, n=9,
+                                       messages=[{"role": "user", "content": "score txn 3"}])
+    assert info.value.body["param"] == "n"
