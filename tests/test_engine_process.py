@@ -118,14 +118,19 @@ async def _has_delta(client: aioredis.Redis, rid: str) -> bool:
     return any(isinstance(r, Delta) for r in (await records(client)).get(rid, []))
 
 
+async def _worker_holding(client: aioredis.Redis) -> tuple[EngineProcess, asyncio.Task]:
+    """A worker with a sim engine process that is streaming a long request ("held")."""
+    engine = EngineProcess(partial(create_engine, "sim", None, {"decode_base_s": 0.05}))
+    task = asyncio.create_task(Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30)).run())
+    await send(client, request("held", "hello", 1000))
+    await wait_for(lambda: _has_delta(client, "held"))
+    return engine, task
+
+
 async def test_a_dead_engine_process_stops_the_worker_and_leaves_its_requests_pending(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
-    engine = EngineProcess(partial(create_engine, "sim", None, {"decode_base_s": 0.05}))
-    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
-    task = asyncio.create_task(worker.run())
     try:
-        await send(client, request("held", "hello", 1000))
-        await wait_for(lambda: _has_delta(client, "held"))
+        engine, task = await _worker_holding(client)
         os.kill(engine.pid, signal.SIGKILL)
         with pytest.raises(EngineDied, match="exited with code -9"):
             await asyncio.wait_for(task, 10)
@@ -151,12 +156,8 @@ async def test_a_worker_stopped_while_its_engine_process_holds_work_lets_the_eng
     """As when its grace is over: the worker's run is cancelled, and its engine ends on the
     closed socket rather than being killed once the close's timeout has passed."""
     client = aioredis.Redis.from_url(redis_url)
-    engine = EngineProcess(partial(create_engine, "sim", None, {"decode_base_s": 0.05}))
-    worker = Worker(engine, client, WorkerSettings(pool="p", claim_idle_s=30))
-    task = asyncio.create_task(worker.run())
     try:
-        await send(client, request("held", "hello", 1000))
-        await wait_for(lambda: _has_delta(client, "held"))
+        engine, task = await _worker_holding(client)
         await cancel_and_wait([task], every_s=CLEANUP_S)  # as run_worker does when the grace is over
         assert (await client.xpending(keys.queue("p"), keys.GROUP))["pending"] == 1
     finally:
