@@ -34,7 +34,10 @@ _INT64 = 2**64
 
 def fan_out(gen: GenerateRequest, n: int) -> list[GenerateRequest]:
     """The engine requests of ``gen``'s ``n`` choices: the first is ``gen`` itself (its id is the
-    request's), choice ``i``'s id is the request's with ``-i``. A seeded request's choice ``i``
+    request's), choice ``i``'s id is the request's behind ``i-``. The index leads: a heartbeat
+    names what its worker holds by each id's first ``HELD_ID_CHARS``, which must tell the choices
+    apart, or one lost with Redis's queues is taken for held while another runs and waits for its
+    deadline (:meth:`gateway.state.GatewayState.fail_lost`). A seeded request's choice ``i``
     is seeded ``seed + i`` (wrapped within 64 bits): with one seed every choice would draw the
     same sample, and the seed still makes the whole answer reproducible. Greedy choices are
     alike whatever their seeds, as at OpenAI."""
@@ -44,7 +47,7 @@ def fan_out(gen: GenerateRequest, n: int) -> list[GenerateRequest]:
         if sampling.seed is not None:
             seed = (sampling.seed + i + _INT64 // 2) % _INT64 - _INT64 // 2
             sampling = msgspec.structs.replace(sampling, seed=seed)
-        out.append(msgspec.structs.replace(gen, id=f"{gen.id}-{i}", sampling=sampling))
+        out.append(msgspec.structs.replace(gen, id=f"{i}-{gen.id}", sampling=sampling))
     return out
 
 

@@ -20,7 +20,7 @@ def request(seed: int | None) -> GenerateRequest:
 
 def test_each_choice_is_a_request_of_its_own_seeded_apart_within_64_bits() -> None:
     choices = fan_out(request(2**63 - 2), 4)
-    assert [c.id for c in choices] == ["r", "r-1", "r-2", "r-3"]
+    assert [c.id for c in choices] == ["r", "1-r", "2-r", "3-r"]
     assert [c.sampling.seed for c in choices] == [2**63 - 2, 2**63 - 1, -(2**63), -(2**63) + 1]
     assert all(c.prompt == "p" and c.sampling.temperature == 0.7 for c in choices)
     assert [c.sampling.seed for c in fan_out(request(None), 3)] == [None, None, None]

@@ -33,6 +33,22 @@ async def running_and_queued(redis_url: str, decode_tokens: int, beat_s: float =
     """A gateway in front of one worker that takes one request at a time: it runs one of
     ``decode_tokens`` tokens (0.05 s each), and a second waits unread in the queue. The worker
     beats each ``beat_s``, for ``beat_ttl_s``; the gateway expects 0.2 s and 1 s."""
+    async with one_at_a_time(redis_url, beat_s, beat_ttl_s) as line:
+        client = aioredis.Redis.from_url(redis_url)
+        taken = line.send(decode_tokens)
+        while not line.worker.inflight:
+            await asyncio.sleep(0.01)
+        queued = line.send(4)
+        while await client.xlen(keys.queue("interactive")) < 2:  # behind the first, unread: the worker is full
+            await asyncio.sleep(0.01)
+        await client.aclose()
+        line.taken, line.queued = taken, queued
+        yield line
+
+
+@contextlib.asynccontextmanager
+async def one_at_a_time(redis_url: str, beat_s: float = 0.2, beat_ttl_s: float = 1.0) -> AsyncIterator[Line]:
+    """A gateway in front of one worker that takes one request at a time, each token 0.05 s."""
     client = aioredis.Redis.from_url(redis_url)
     worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
                     WorkerSettings(pool="interactive", heartbeat_interval_s=beat_s, heartbeat_ttl_s=beat_ttl_s,
@@ -44,15 +60,7 @@ async def running_and_queued(redis_url: str, decode_tokens: int, beat_s: float =
         while not await client.smembers(keys.WORKERS):
             await asyncio.sleep(0.01)
         async with TestClient(TestServer(make_app(cfg))) as http:
-            line = Line(http, worker)
-            taken = line.send(decode_tokens)
-            while not worker.inflight:
-                await asyncio.sleep(0.01)
-            queued = line.send(4)
-            while await client.xlen(keys.queue("interactive")) < 2:  # behind the first, unread: the worker is full
-                await asyncio.sleep(0.01)
-            line.taken, line.queued = taken, queued
-            yield line
+            yield Line(http, worker)
     finally:
         await cancel_and_wait([running])
         await client.aclose()
@@ -65,10 +73,10 @@ class Line:
     taken: asyncio.Task[ClientResponse] | None = None
     queued: asyncio.Task[ClientResponse] | None = None
 
-    def send(self, max_tokens: int) -> asyncio.Task[ClientResponse]:
+    def send(self, max_tokens: int, n: int = 1) -> asyncio.Task[ClientResponse]:
         return asyncio.create_task(self.http.post(
             "/v1/chat/completions", headers={"x-slogate-class": "interactive", "x-slogate-timeout": "120"},
-            json={**BODY, "max_tokens": max_tokens}))
+            json={**BODY, "max_tokens": max_tokens, "n": n}))
 
 
 async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_redis) -> None:
@@ -84,6 +92,23 @@ async def test_a_redis_that_restarts_empty_fails_only_what_no_worker_holds(own_r
         assert answered.status == 200, await answered.text()
         assert (await answered.json())["usage"]["completion_tokens"] == 60
         assert (await asyncio.wait_for(later, 30)).status == 200
+
+
+async def test_a_choice_lost_from_the_queue_fails_its_request_though_the_worker_runs_another(own_redis) -> None:
+    """Each choice is a request of its own to the workers, and a heartbeat names what it holds by
+    the first characters of each id: one choice running must not vouch for another that Redis
+    lost, which would wait for its deadline, 120 s away."""
+    async with one_at_a_time(own_redis.url) as line:
+        client = aioredis.Redis.from_url(own_redis.url)
+        sent = line.send(60, n=2)  # one choice runs for 3 s, the other waits unread behind it
+        while not line.worker.inflight or await client.xlen(keys.queue("interactive")) < 2:
+            await asyncio.sleep(0.01)
+        await client.aclose()
+        own_redis.stop()
+        own_redis.start()
+        lost = await asyncio.wait_for(sent, 30)
+        assert lost.status == 503, await lost.text()
+        assert (await lost.json())["error"]["code"] == "redis_unavailable"
 
 
 async def test_a_worker_that_beats_slower_than_the_gateway_expects_keeps_what_it_runs(own_redis) -> None:
