@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,7 +219,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         state.in_flight -= 1
         state.metrics.in_flight.dec()
         whole = jobs[0] if len(jobs) == 1 else choices.as_one(jobs)
-        _observe(whole)
+        _observe(whole, () if len(jobs) == 1 else jobs)
         request["audit"].update(outcome=whole.outcome, prompt_tokens=whole.prompt_tokens,
                                 completion_tokens=whole.completion_tokens, **_timings(whole))
 
@@ -561,9 +561,11 @@ def _timings(job: _Job) -> dict[str, float]:
     return out
 
 
-def _observe(job: _Job) -> None:
+def _observe(job: _Job, parts: Sequence[_Job] = ()) -> None:
     """Metrics for every request; for finished ones, teach the admission controller what
-    they cost; for ones the pool failed, count it against the pool's breaker."""
+    they cost; for ones the pool failed, count it against the pool's breaker. ``parts``: the
+    choices of a request of several (``job`` is them as one), each of which costs the pool
+    what its own times say."""
     job.state.metrics.finished(*job.labels, job.outcome)
     end = job.ended_at or time.time()
     e2e = end - job.arrived
@@ -595,7 +597,15 @@ def _observe(job: _Job) -> None:
         m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
     job.state.admission.prompt_tokens.observe(job.parsed.model, job.key, job.parsed.prompt_chars,
                                               len(job.parsed.messages or ()), rec.prompt_tokens)
-    job.state.admission.observe(
-        pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream, prompt_tokens=rec.prompt_tokens,
-        completion_tokens=rec.completion_tokens, queue_wait_s=job.queue_wait_s(rec),
-        ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, epoch=job.epoch)
+    answer = dict(pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream,
+                  ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, epoch=job.epoch)
+    if not parts:
+        job.state.admission.observe(prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
+                                    queue_wait_s=job.queue_wait_s(rec), **answer)
+        return
+    for part in parts:  # each has its final record: the whole would have ended as one without
+        final = part.final
+        job.state.admission.learn(part.gen.pool, final.prompt_tokens, final.completion_tokens,
+                                  part.queue_wait_s(final), (part.first_token_at or part.ended_at) - part.arrived,
+                                  part.ended_at - part.arrived)
+    job.state.admission.answered(**answer)

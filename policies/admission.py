@@ -279,8 +279,21 @@ class AdmissionController:
         """Report a request that finished on ``pool`` (from its Final record); ``epoch`` is its
         decision's. Teaches the pool's costs, counts as a success for its breaker and, for
         interactive work, feeds the loop."""
+        self.learn(pool, prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s)
+        self.answered(pool=pool, cls=cls, stream=stream, ttft_s=ttft_s, e2e_s=e2e_s, now=now, epoch=epoch)
+
+    def learn(self, pool: str, prompt_tokens: int, completion_tokens: int, queue_wait_s: float, ttft_s: float,
+              e2e_s: float) -> None:
+        """Teach the pool's costs from one engine request that finished: each of a request's
+        ``n`` choices is one, whose own times are its cost (the request's span the choices'
+        waits for each other's slots)."""
         self.estimate(pool).observe(prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s,
                                     self.cfg.admission.estimator)
+
+    def answered(self, *, pool: str, cls: str, stream: bool, ttft_s: float, e2e_s: float, now: float,
+                 epoch: int) -> None:
+        """A request answered, its costs learned apart (:meth:`learn`): a success for the pool's
+        breaker and, for interactive work, a measure for the loop, as its client saw it."""
         self._last_heard[pool] = now
         self.breaker(pool).record_success(now)
         if cls == "interactive":

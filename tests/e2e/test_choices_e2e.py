@@ -5,14 +5,18 @@ says the same). What a failed or abandoned choice does is in ``test_failures``."
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 
-from slogate.processes import Stack
-from tests.e2e.conftest import MODEL
+from slogate.local_redis import LocalRedis
+from slogate.processes import Stack, http_get
+from tests.e2e.conftest import FAST_FLEET, MODEL
 from tests.e2e.test_api import CHAT, sse_events
 from tests.e2e.test_observability import audit_records
 
@@ -123,3 +127,43 @@ def test_openai_sdk_n(stack: Stack) -> None:
         client.chat.completions.create(model=MODEL, max_tokens=3, n=9,
                                        messages=[{"role": "user", "content": "score txn 3"}])
     assert info.value.body["param"] == "n"
+
+
+@pytest.fixture
+def one_at_a_time(tmp_path: Path) -> Iterator[Stack]:
+    """A gateway (admission off: it still learns the pools' costs) before sim workers that run one
+    request at a time, 0.05 s a token."""
+    server = LocalRedis(tmp_path / "redis").start()
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
+    try:
+        stack.gateway()
+        for pool in ("interactive", "batch"):
+            stack.worker(pool, "sim", "decode_base_s=0.05", "decode_s_per_seq=0", "prefill_s_per_token=0",
+                         "max_batch=1")
+        stack.wait_models(MODEL, pools=2)
+        stack.wait_http("/readyz")
+        yield stack
+    finally:
+        stack.stop()
+        server.stop()
+
+
+def learned_decode_s(url: str, pool: str) -> float:
+    _, text = http_get(url + "/metrics")
+    pattern = rf'slogate_admission_learned_cost_seconds{{phase="decode_per_token",pool="{pool}"}} (\S+)'
+    return float(re.search(pattern, text.decode()).group(1))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_choices_that_wait_for_each_other_teach_admission_each_ones_own_cost(one_at_a_time: Stack,
+                                                                                  stream: bool) -> None:
+    """The second choice waits for the first's slot: the request's end is the second's, its first
+    token the first's, and its tokens one choice's. As one sample that is a token every 0.1 s,
+    twice the pool's cost, which would shed or misroute what comes after."""
+    payload = {**CHAT, "max_tokens": 20, "ignore_eos": True, "n": 2, "stream": stream}
+    async with aiohttp.ClientSession() as s, s.post(one_at_a_time.url + "/v1/chat/completions", json=payload,
+                                                    headers={"x-slogate-class": "interactive"}) as r:
+        assert r.status == 200
+        await r.read()
+    decode_s = learned_decode_s(one_at_a_time.url, "interactive")
+    assert 0.04 < decode_s < 0.065, decode_s
