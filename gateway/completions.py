@@ -593,8 +593,9 @@ def _observe(job: _Job, parts: Sequence[_Job] = ()) -> None:
     if job.gen.cls == "interactive":
         latency = (job.first_token_at or end) - job.arrived if job.parsed.stream else e2e
         (m.met if latency <= job.state.admission.objective(job.parsed.stream) else m.missed).inc()
-    if job.first_token_at and rec.completion_tokens > 1:
-        m.tpot.observe((end - job.first_token_at) / (rec.completion_tokens - 1))
+    for one in parts or (job,):  # a choice's own pace: the whole's span holds the choices' waits for each other
+        if one.first_token_at and one.final.completion_tokens > 1:
+            m.tpot.observe(((one.ended_at or end) - one.first_token_at) / (one.final.completion_tokens - 1))
     job.state.admission.prompt_tokens.observe(job.parsed.model, job.key, job.parsed.prompt_chars,
                                               len(job.parsed.messages or ()), rec.prompt_tokens)
     answer = dict(pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream,

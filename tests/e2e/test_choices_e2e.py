@@ -161,9 +161,20 @@ async def test_choices_that_wait_for_each_other_teach_admission_each_ones_own_co
     token the first's, and its tokens one choice's. As one sample that is a token every 0.1 s,
     twice the pool's cost, which would shed or misroute what comes after."""
     payload = {**CHAT, "max_tokens": 20, "ignore_eos": True, "n": 2, "stream": stream}
+    tpot_before = tpot_totals(one_at_a_time.url)
     async with aiohttp.ClientSession() as s, s.post(one_at_a_time.url + "/v1/chat/completions", json=payload,
                                                     headers={"x-slogate-class": "interactive"}) as r:
         assert r.status == 200
         await r.read()
     decode_s = learned_decode_s(one_at_a_time.url, "interactive")
     assert 0.04 < decode_s < 0.065, decode_s
+    total_s, count = (a - b for a, b in zip(tpot_totals(one_at_a_time.url), tpot_before))
+    assert count == 2 and 0.04 < total_s / count < 0.065, "the time per token is each choice's own, too"
+
+
+def tpot_totals(url: str) -> tuple[float, float]:
+    """The time-per-output-token histogram's sum and count, over all its series."""
+    text = http_get(url + "/metrics")[1].decode()
+    sums = re.findall(r"^slogate_time_per_output_token_seconds_sum\{[^}]*\} (\S+)", text, re.M)
+    counts = re.findall(r"^slogate_time_per_output_token_seconds_count\{[^}]*\} (\S+)", text, re.M)
+    return sum(map(float, sums)), sum(map(float, counts))
