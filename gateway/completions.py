@@ -65,6 +65,9 @@ class _Job:
     it would let a client trip a pool for everyone by asking for impossible deadlines."""
     index: int = 0
     """Which of the request's choices it is."""
+    slot: int | None = None
+    """Its handle in the gateway's own in-flight count (:class:`policies.inflight.InFlight`), until
+    it is freed."""
     relay: Relay = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +76,15 @@ class _Job:
     @property
     def labels(self) -> tuple[str, str, str]:
         return self.gen.cls, self.gen.pool, self.gen.model
+
+    def free_slot(self) -> None:
+        """Free its slot in the in-flight count once it is over: a choice that ended while another
+        runs would otherwise count as busy, its slot's predicted end with it, and admission would
+        predict waits for a slot no one holds. Freed once, whichever comes first: its last record
+        or the request's end."""
+        if self.slot is not None:
+            self.state.directory.own.end(self.gen.pool, self.slot)
+            self.slot = None
 
     def queue_wait_s(self, final: Final) -> float:
         """From its arrival here, as its first token is timed: the gateway's own time before
@@ -163,13 +175,7 @@ async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.S
             if span is not None:
                 span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
         request["audit"].update(pool=decision.pool, decision=decision.reason)
-        busy_until = decision.busy_until or time.time()
-        slots = [state.directory.own.start(decision.pool, busy_until) for _ in range(parsed.n)]
-        try:
-            return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
-        finally:
-            for slot in slots:
-                state.directory.own.end(decision.pool, slot)
+        return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
 
 
 async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedRequest, cls: str,
@@ -186,6 +192,9 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     jobs = [_Job(state, parsed, choice, state.mux.subscribe(choice.id, parsed.stream, pool), arrived, headers,
                  decision.epoch, request["audit"]["key"], index=i)
             for i, choice in enumerate(choices.fan_out(gen, parsed.n))]
+    busy_until = decision.busy_until or time.time()
+    for job in jobs:
+        job.slot = state.directory.own.start(pool, busy_until)
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1
@@ -213,6 +222,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         raise
     finally:
         for job in jobs:
+            job.free_slot()
             if not job.worker_done:
                 state.cancel(job.gen.id, deadline)
             state.mux.unsubscribe(job.sub)
@@ -411,6 +421,7 @@ async def _records(jobs: list[_Job], records: asyncio.Queue[Any],
 
 def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
     job.ended_at = time.time()
+    job.free_slot()
     job.worker_done = rec.attempt != 0  # attempt 0: the gateway's own error; the worker goes on until cancelled
     if isinstance(rec, Error):
         job.outcome, job.status = rec.code, rec.status

@@ -178,3 +178,27 @@ def tpot_totals(url: str) -> tuple[float, float]:
     sums = re.findall(r"^slogate_time_per_output_token_seconds_sum\{[^}]*\} (\S+)", text, re.M)
     counts = re.findall(r"^slogate_time_per_output_token_seconds_count\{[^}]*\} (\S+)", text, re.M)
     return sum(map(float, sums)), sum(map(float, counts))
+
+
+def own_in_flight(url: str, pool: str) -> float:
+    """The gateway's own engine requests in flight on ``pool``: what admission predicts waits from."""
+    text = http_get(url + "/metrics")[1].decode()
+    return float(re.search(rf'^slogate_pool_requests_in_flight{{pool="{pool}"}} (\S+)', text, re.M).group(1))
+
+
+async def test_a_choice_that_finished_frees_its_slot_while_another_runs(one_at_a_time: Stack) -> None:
+    """The worker runs one choice at a time: the second runs for 2 s after the first has finished.
+    Held to the request's end, the first's slot would count as busy, with its predicted end, and
+    admission would predict a wait for a slot nobody holds."""
+    payload = {**CHAT, "max_tokens": 40, "ignore_eos": True, "n": 2, "stream": True}
+    url = one_at_a_time.url
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=payload,
+                                                    headers={"x-slogate-class": "interactive"}) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: {") and b'"finish_reason":"length"' in line.replace(b" ", b""):
+                break
+        in_flight_then = await asyncio.to_thread(own_in_flight, url, "interactive")
+        await r.read()
+    assert in_flight_then == 1, "the finished choice's slot is free while the other runs"
+    assert await asyncio.to_thread(own_in_flight, url, "interactive") == 0
