@@ -620,4 +620,4 @@ def _observe(job: _Job, parts: Sequence[_Job] = ()) -> None:
         job.state.admission.learn(part.gen.pool, final.prompt_tokens, final.completion_tokens,
                                   part.queue_wait_s(final), (part.first_token_at or part.ended_at) - part.arrived,
                                   part.ended_at - part.arrived)
-    job.state.admission.answered(**answer)
+    job.state.admission.answered(**answer, n=len(parts))

@@ -124,16 +124,16 @@ class AdmissionController:
         if max_tokens is None:
             max_tokens = round(self.estimate(own[0]).completion_tokens)
         usable = {p: s if n == 1 else replace(s, in_flight=s.in_flight + n - 1)
-                  for p, s in signals.items() if self.breaker(p).ready(now)}
+                  for p, s in signals.items() if self.breaker(p).ready(now, n)}
         if cls == "interactive":
             budget = self.budget(stream)
             route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg, now,
                          self.prompts)
             if route is None:
-                return self._unavailable(own, signals, now)
-            return self._interactive(route, budget, stream, now, deadline, now if sent_at is None else sent_at)
+                return self._unavailable(own, signals, now, n)
+            return self._interactive(route, budget, stream, now, deadline, now if sent_at is None else sent_at, n)
         return self._batch(own, stream, prompt_tokens, max_tokens, model, signals, usable, now, deadline,
-                           now if sent_at is None else sent_at, behind_held)
+                           now if sent_at is None else sent_at, behind_held, n)
 
     def prompt_book(self, pool: str) -> PromptBook:
         book = self.prompts.get(pool)
@@ -152,7 +152,7 @@ class AdmissionController:
                         route.worker)
 
     def _interactive(self, route: Route, budget: float, stream: bool, now: float, deadline: float | None,
-                     sent_at: float) -> Decision:
+                     sent_at: float, n: int) -> Decision:
         pred = route.prediction
         past_deadline = deadline is not None and now + pred.wait_s + pred.hold_s > deadline
         wait_budget = budget - pred.service_s
@@ -161,7 +161,7 @@ class AdmissionController:
         book = self.prompt_book(route.pool)
         room, room_at = book.room(now, pred.priced_share)
         if not past_deadline and wait_budget >= 0 and pred.wait_s <= wait_budget and pred.prompt_share_s <= room:
-            decision = self._admit("spill" if route.spilled else "fits", route, now)
+            decision = self._admit("spill" if route.spilled else "fits", route, now, n)
             until = now + (pred.total_s if stream else pred.wait_s + pred.hold_s)
             book.promise(budget - pred.total_s, until, now)
             return decision
@@ -172,7 +172,7 @@ class AdmissionController:
         # the same way: a probe goes against the learned costs, which may be what is wrong.
         fits_deadline = deadline is None or now + pred.floor_hold_s <= deadline
         if fits_deadline and self._probe_due(route.pool, now):
-            return self._admit("probe", route, now)
+            return self._admit("probe", route, now, n)
         if past_deadline:
             return self._past_deadline(route, deadline, sent_at)
         if wait_budget < 0:  # fits an idle pool: the load makes each step slow
@@ -181,16 +181,16 @@ class AdmissionController:
             late = pred.wait_s - wait_budget if pred.wait_s > wait_budget else room_at - now
         return Decision("shed", "overloaded", 429, self._clamp_retry(late), pred.total_s, route.pool, route.worker)
 
-    def _admit(self, reason: str, route: Route, now: float) -> Decision:
+    def _admit(self, reason: str, route: Route, now: float, n: int) -> Decision:
         pred = route.prediction
-        self.breaker(route.pool).acquire(now)
+        self.breaker(route.pool).acquire(now, n)
         self.prompt_book(route.pool).book(pred.prompt_share_s, now, pred.priced_share)
         return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
                         now + pred.wait_s + pred.hold_s, UNJUDGED if reason == "probe" else self.feedback.epoch)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
-               deadline: float | None, sent_at: float, behind_held: bool) -> Decision:
+               deadline: float | None, sent_at: float, behind_held: bool, n: int) -> Decision:
         target = self.cfg.objectives.batch
         if deadline is not None and now >= deadline:
             return Decision("expired", "deadline", 504)
@@ -205,7 +205,7 @@ class AdmissionController:
             # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
             queueable = next((p for p in own if p in usable or p not in signals), None)
             if queueable is None:
-                return self._unavailable(own, signals, now)
+                return self._unavailable(own, signals, now, n)
             pool, worker, predicted = queueable, None, None
         depth = route.prediction.ahead if route is not None else usable[pool].in_flight if pool in usable else 0
         if depth >= target.max_queue:
@@ -226,7 +226,7 @@ class AdmissionController:
         if deadline is not None and route is not None and now + predicted > deadline:
             return Decision("shed", "cannot-meet-deadline", 429, self._clamp_retry(route.prediction.wait_s),
                             predicted, pool, worker)
-        self.breaker(pool).acquire(now)
+        self.breaker(pool).acquire(now, n)
         if route is not None:
             self.prompt_book(pool).book(route.prediction.prompt_share_s, now, route.prediction.priced_share)
         return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until)
@@ -263,9 +263,9 @@ class AdmissionController:
             capacity += sum(w.capacity for w in sig.workers)
         return demand / capacity if capacity else 0.0
 
-    def _unavailable(self, own: list[str], signals: Mapping[str, PoolSignals], now: float) -> Decision:
-        blocked = [self.breakers[p].retry_after(now) for p in own
-                   if p in self.breakers and not self.breakers[p].ready(now)]
+    def _unavailable(self, own: list[str], signals: Mapping[str, PoolSignals], now: float, n: int) -> Decision:
+        blocked = [self.breakers[p].retry_after(now, n) for p in own
+                   if p in self.breakers and not self.breakers[p].ready(now, n)]
         if blocked:
             return Decision("unavailable", "circuit-open", 503, self._clamp_retry(min(blocked)))
         return Decision("unavailable", "no-workers", 503, self.cfg.admission.unavailable_retry_after_s)
@@ -291,11 +291,12 @@ class AdmissionController:
                                     self.cfg.admission.estimator)
 
     def answered(self, *, pool: str, cls: str, stream: bool, ttft_s: float, e2e_s: float, now: float,
-                 epoch: int) -> None:
-        """A request answered, its costs learned apart (:meth:`learn`): a success for the pool's
-        breaker and, for interactive work, a measure for the loop, as its client saw it."""
+                 epoch: int, n: int = 1) -> None:
+        """A request of ``n`` choices answered, its costs learned apart (:meth:`learn`): a success
+        for the pool's breaker (``n`` probes, when it is half-open) and, for interactive work, a
+        measure for the loop, as its client saw it."""
         self._last_heard[pool] = now
-        self.breaker(pool).record_success(now)
+        self.breaker(pool).record_success(now, n)
         if cls == "interactive":
             self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream), epoch)
 

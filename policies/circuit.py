@@ -3,6 +3,14 @@
 Closed: everything passes; N failures in a row, or a failure rate over a window of outcomes,
 opens it. Open: nothing passes until a cool-down ends. Half-open: a few probes pass; enough
 successes close it, any failure opens it again. Time is passed in, so tests drive the clock.
+
+Outcomes are reported once per request, but a half-open breaker counts its probes in engine
+requests: a request of ``n`` choices sends ``n`` to the pool (:mod:`gateway.choices`), and the
+point of probing is to send a pool that may still be failing only ``half_open_probes`` of them.
+So it passes only while that many are free, and is refused as while the breaker is open
+otherwise: with the default single probe, only a request of one choice probes, and a pool that
+hears only requests of several stays half-open until one comes (raise ``half_open_probes`` to
+``max_n`` to let any request probe). One answered is ``n`` successful probes.
 """
 
 from __future__ import annotations
@@ -34,9 +42,9 @@ class CircuitBreaker:
             return "closed"
         return "open" if now < self.opened_at + self.cfg.open_s else "half_open"
 
-    def ready(self, now: float) -> bool:
-        """Whether a request may go now. Does not take a probe slot: call ``acquire`` for the
-        request actually sent."""
+    def ready(self, now: float, n: int = 1) -> bool:
+        """Whether a request of ``n`` engine requests may go now. Does not take probe slots: call
+        ``acquire`` for the request actually sent."""
         state = self.state(now)
         if state == "closed":
             return True
@@ -45,32 +53,34 @@ class CircuitBreaker:
         if self.probes_in_flight and now >= self.last_probe_at + self.cfg.open_s:
             # A probe whose outcome never came back (cancelled, lost) must not wedge the pool.
             self.probes_in_flight = 0
-        return self.probes_in_flight < self.cfg.half_open_probes
+        return self.probes_in_flight + n <= self.cfg.half_open_probes
 
-    def acquire(self, now: float) -> None:
+    def acquire(self, now: float, n: int = 1) -> None:
         if self.state(now) == "half_open":
-            self.probes_in_flight += 1
+            self.probes_in_flight += n
             self.last_probe_at = now
 
-    def retry_after(self, now: float) -> float:
+    def retry_after(self, now: float, n: int = 1) -> float:
         """Seconds until the breaker may let something through again: the cool-down's end when
         open; when half-open with its probes out, the moment a probe that never reports is given
         up (the probe may end sooner, but a batch probe can run for minutes)."""
         if self.opened_at is None:
             return 0.0
-        if self.state(now) == "half_open" and not self.ready(now):
+        if self.state(now) == "half_open" and not self.ready(now, n):
             return max(self.last_probe_at + self.cfg.open_s - now, 0.0)
         return max(self.opened_at + self.cfg.open_s - now, 0.0)
 
-    def record_success(self, now: float) -> None:
+    def record_success(self, now: float, n: int = 1) -> None:
+        """A request of ``n`` engine requests answered."""
         state = self.state(now)
         if state == "open":
             return
         if state == "half_open":
             if not self.probes_in_flight:  # a request let through before it opened: not a probe
                 return
-            self.probes_in_flight -= 1
-            self.probe_successes += 1
+            probes = min(n, self.probes_in_flight)
+            self.probes_in_flight -= probes
+            self.probe_successes += probes
             if self.probe_successes >= self.cfg.close_after:
                 self._close()
             return

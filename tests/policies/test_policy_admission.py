@@ -249,6 +249,22 @@ def test_open_circuit_fails_fast_then_probes() -> None:
     assert ctl.breaker("interactive").state(15.5) == "closed"
 
 
+def test_a_half_open_pool_is_probed_by_no_more_engine_requests_than_its_probes() -> None:
+    """Each of a request's choices is an engine request on the pool: a probe of eight choices would
+    send eight to a pool that may still be failing."""
+    ctl = AdmissionController(load({"circuit": {"half_open_probes": 2, "close_after": 2}}))
+    only_interactive = {"interactive": signals()["interactive"]}
+    for _ in range(ctl.cfg.circuit.consecutive_failures):
+        ctl.observe_failure("interactive", now=10.0)
+    d = ask(ctl, only_interactive, now=15.0, n=3)
+    assert (d.outcome, d.reason, d.status) == ("unavailable", "circuit-open", 503), "as while it is open"
+    assert ask(ctl, only_interactive, now=15.0, n=2).admitted
+    assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open", "both probes are out"
+    ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=15.2, epoch=0,
+                 n=2)
+    assert ctl.breaker("interactive").state(15.3) == "closed", "each choice answered is a probe that succeeded"
+
+
 def report(ctl: AdmissionController, e2e_s: float, n: int) -> None:
     """``n`` requests admitted together, now. Reported against a pool no test request goes to,
     so only the feedback loop (global to the interactive class) changes, not the interactive
