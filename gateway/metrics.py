@@ -77,7 +77,8 @@ class GatewayMetrics:
         self.kv_usage = Gauge("slogate_kv_cache_usage_ratio", "Mean KV-cache usage of a pool's workers",
                               ["pool"], registry=r)
         self.own_in_flight = Gauge("slogate_pool_requests_in_flight",
-                                   "This gateway's requests in flight on a pool", ["pool"], registry=r)
+                                   "This gateway's engine requests in flight on a pool (one per choice)", ["pool"],
+                                   registry=r)
         self.feedback_factor = Gauge("slogate_admission_feedback_factor",
                                      "Factor the latency feedback applies to predictions (1 = none)", registry=r)
         self.learned_cost = Gauge("slogate_admission_learned_cost_seconds",

@@ -80,7 +80,8 @@ class GatewayState:
                                        "cancelled; retry once a worker serves the pool", "no_live_worker",
                                        pool, cutoff)
             if failed:
-                log.warning("ended %d request(s) of pool %r with 503: no live worker for %g s", failed, pool, grace)
+                log.warning("ended %d engine request(s) (a request's choices are one each) of pool %r with 503: "
+                            "no live worker for %g s", failed, pool, grace)
 
     def fail_lost(self) -> None:
         """After Redis lost its queues (:class:`gateway.results.Loss`), end with a 503 each
@@ -105,8 +106,8 @@ class GatewayState:
         failed = self.mux.fail(lost, "Redis lost the request before a worker took it (it restarted empty or "
                                      "failed over); retry the request", "redis_unavailable")
         if failed:
-            log.warning("ended %d request(s) with 503: Redis lost them from its queues, and no worker holds them",
-                        failed)
+            log.warning("ended %d engine request(s) (a request's choices are one each) with 503: Redis lost them "
+                        "from its queues, and no worker holds them", failed)
 
     def after_refresh(self) -> None:
         """What the directory runs after each read of the fleet: both look at the workers."""
