@@ -153,7 +153,7 @@ async def test_records_redis_lost_on_the_way_do_not_trip_the_pools_breaker() -> 
         job.sub.records.put_nowait(Delta("hello ", 0))
         job.sub.records.put_nowait(Delta("there", 12))  # "wor" ... lost with the Redis that restarted
         with pytest.raises(APIError):
-            await completions._collect(job)
+            await completions._collect([job], job.sub)
         completions._observe(job)
     assert state.admission.breaker("interactive").state(time.time()) == "closed", \
         "a Redis fault opened the pool's circuit"
