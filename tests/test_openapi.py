@@ -96,7 +96,7 @@ async def test_a_body_that_never_arrives_is_a_documented_answer(path: str) -> No
 def test_an_engine_failure_is_a_documented_answer(path: str) -> None:
     """A worker whose engine fails under a request answers it ``engine_error``, 500, which the
     gateway passes on (as it does the gateway's own ``internal_error``): the contract lists it."""
-    job = SimpleNamespace(parsed=SimpleNamespace(messages=None))
+    job = SimpleNamespace(parsed=SimpleNamespace(messages=None), free_slot=lambda: None)
     err = _final_error(job, Error("the engine failed while serving this request", "engine_error", 500, attempt=1))
     assert err is not None
     assert str(err.status) in DOC["paths"][path]["post"]["responses"]
