@@ -8,9 +8,10 @@ Outcomes are reported once per request, but a half-open breaker counts its probe
 requests: a request of ``n`` choices sends ``n`` to the pool (:mod:`gateway.choices`), and the
 point of probing is to send a pool that may still be failing only ``half_open_probes`` of them.
 So it passes only while that many are free, and is refused as while the breaker is open
-otherwise: with the default single probe, only a request of one choice probes, and a pool that
-hears only requests of several stays half-open until one comes (raise ``half_open_probes`` to
-``max_n`` to let any request probe). One answered is ``n`` successful probes.
+otherwise, except that a request of more choices than there are probes may probe alone, with
+none out: else a pool that hears only such requests (a client that always asks for several
+samples) would stay half-open, refusing them all, for as long as it heard no other. One
+answered is ``n`` successful probes.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class CircuitBreaker:
         if self.probes_in_flight and now >= self.last_probe_at + self.cfg.open_s:
             # A probe whose outcome never came back (cancelled, lost) must not wedge the pool.
             self.probes_in_flight = 0
-        return self.probes_in_flight + n <= self.cfg.half_open_probes
+        return self.probes_in_flight + n <= self.cfg.half_open_probes or not self.probes_in_flight
 
     def acquire(self, now: float, n: int = 1) -> None:
         if self.state(now) == "half_open":

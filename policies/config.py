@@ -175,7 +175,7 @@ class Circuit(_Section, frozen=True):
     """Cool-down before an open circuit lets probes through."""
     half_open_probes: PosInt = 1
     """Probes allowed in flight at once while half-open, in engine requests: a request of ``n``
-    choices is ``n`` probes, and one of more choices than this is refused while half-open."""
+    choices is ``n`` probes, and one of more choices than this probes alone."""
     close_after: PosInt = 2
     """Successful probes that close the circuit again."""
 

@@ -256,12 +256,27 @@ def test_a_half_open_pool_is_probed_by_no_more_engine_requests_than_its_probes()
     only_interactive = {"interactive": signals()["interactive"]}
     for _ in range(ctl.cfg.circuit.consecutive_failures):
         ctl.observe_failure("interactive", now=10.0)
-    d = ask(ctl, only_interactive, now=15.0, n=3)
-    assert (d.outcome, d.reason, d.status) == ("unavailable", "circuit-open", 503), "as while it is open"
-    assert ask(ctl, only_interactive, now=15.0, n=2).admitted
-    assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open", "both probes are out"
+    assert ask(ctl, only_interactive, now=15.0).admitted
+    d = ask(ctl, only_interactive, now=15.0, n=2)
+    assert (d.outcome, d.reason, d.status) == ("unavailable", "circuit-open", 503), "one probe is left, not two"
+    assert ask(ctl, only_interactive, now=15.1).admitted
+    for now in (15.2, 15.3):
+        ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=now, epoch=0)
+    assert ctl.breaker("interactive").state(15.4) == "closed"
+
+
+def test_a_request_of_more_choices_than_probes_probes_alone() -> None:
+    """Refused while half-open, a client that always asks for several samples would keep the pool
+    half-open, and refused, for as long as no request of fewer came."""
+    ctl = AdmissionController(load({"circuit": {"half_open_probes": 1, "close_after": 2}}))
+    only_interactive = {"interactive": signals()["interactive"]}
+    for _ in range(ctl.cfg.circuit.consecutive_failures):
+        ctl.observe_failure("interactive", now=10.0)
+    assert ask(ctl, only_interactive, now=15.0, n=3).admitted
+    assert ask(ctl, only_interactive, now=15.1, n=3).reason == "circuit-open", "it probes alone"
+    assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open"
     ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=15.2, epoch=0,
-                 n=2)
+                 n=3)
     assert ctl.breaker("interactive").state(15.3) == "closed", "each choice answered is a probe that succeeded"
 
 
