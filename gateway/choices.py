@@ -2,8 +2,8 @@
 
 Workers know nothing of ``n``. Each choice is a request of its own on the pool's queue, with
 its own id, subscription, relay and cancel, so retries, lost records, deadlines and cancels
-work for each exactly as they do for a request with one choice, the worker protocol is
-unchanged, and the engines' prefix caching shares the prompt's KV among them. The gateway
+work for each exactly as they do for a request with one choice, and the worker protocol is
+unchanged. The gateway
 merges only what the client sees (one response whose choices carry their index, or one stream
 whose chunks do) and what is counted (the prompt once, the completions summed, as ``usage``
 says). The choices' records are read in the handler's own task, as one choice's are, so one
