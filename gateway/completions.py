@@ -45,6 +45,8 @@ class _Job:
     headers: dict[str, str]
     epoch: int = 0
     """The feedback loop's verdicts when it was admitted (``Decision.epoch``)."""
+    breaker_probe: int | None = None
+    """``Decision.breaker_probe``: its answer is the probe's its pool's half-open breaker awaits."""
     key: str = "anonymous"
     """The caller's API key id."""
     first_token_at: float = 0.0
@@ -190,7 +192,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": decision.reason}
     jobs = [_Job(state, parsed, choice, state.mux.subscribe(choice.id, parsed.stream, pool), arrived, headers,
-                 decision.epoch, request["audit"]["key"], index=i)
+                 decision.epoch, decision.breaker_probe, request["audit"]["key"], index=i)
             for i, choice in enumerate(choices.fan_out(gen, parsed.n))]
     busy_until = decision.busy_until or time.time()
     for job in jobs:
@@ -610,7 +612,8 @@ def _observe(job: _Job, parts: Sequence[_Job] = ()) -> None:
     job.state.admission.prompt_tokens.observe(job.parsed.model, job.key, job.parsed.prompt_chars,
                                               len(job.parsed.messages or ()), rec.prompt_tokens)
     answer = dict(pool=job.gen.pool, cls=job.gen.cls, stream=job.parsed.stream,
-                  ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, epoch=job.epoch)
+                  ttft_s=(job.first_token_at or end) - job.arrived, e2e_s=e2e, now=end, epoch=job.epoch,
+                  probe=job.breaker_probe)
     if not parts:
         job.state.admission.observe(prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
                                     queue_wait_s=job.queue_wait_s(rec), **answer)

@@ -56,6 +56,9 @@ class Decision:
     """The feedback loop's verdicts when it was admitted: its answer is judged under them
     (:meth:`AdmissionController.observe`). ``UNJUDGED`` for a probe: let through against the
     prediction, its answer says nothing of how far to trust predictions."""
+    breaker_probe: int | None = None
+    """The ticket of a request its pool's half-open breaker let through as a probe
+    (:meth:`policies.circuit.CircuitBreaker.acquire`): only its answer counts as the probe's."""
 
     @property
     def admitted(self) -> bool:
@@ -183,10 +186,11 @@ class AdmissionController:
 
     def _admit(self, reason: str, route: Route, now: float, n: int) -> Decision:
         pred = route.prediction
-        self.breaker(route.pool).acquire(now, n)
+        probe = self.breaker(route.pool).acquire(now, n)
         self.prompt_book(route.pool).book(pred.prompt_share_s, now, pred.priced_share)
         return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
-                        now + pred.wait_s + pred.hold_s, UNJUDGED if reason == "probe" else self.feedback.epoch)
+                        now + pred.wait_s + pred.hold_s, UNJUDGED if reason == "probe" else self.feedback.epoch,
+                        breaker_probe=probe)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
                signals: Mapping[str, PoolSignals], usable: Mapping[str, PoolSignals], now: float,
@@ -226,10 +230,10 @@ class AdmissionController:
         if deadline is not None and route is not None and now + predicted > deadline:
             return Decision("shed", "cannot-meet-deadline", 429, self._clamp_retry(route.prediction.wait_s),
                             predicted, pool, worker)
-        self.breaker(pool).acquire(now, n)
+        probe = self.breaker(pool).acquire(now, n)
         if route is not None:
             self.prompt_book(pool).book(route.prediction.prompt_share_s, now, route.prediction.priced_share)
-        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until)
+        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until, breaker_probe=probe)
 
     def _may_queue(self, pool: str, pred: Prediction) -> bool:
         """Whether an interactive request may wait for a slot rather than get one at once. Not
@@ -275,12 +279,14 @@ class AdmissionController:
         return round(min(max(seconds, adm.min_retry_after_s), adm.max_retry_after_s), 3)
 
     def observe(self, *, pool: str, cls: str, stream: bool, prompt_tokens: int, completion_tokens: int,
-                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float, epoch: int) -> None:
-        """Report a request that finished on ``pool`` (from its Final record); ``epoch`` is its
-        decision's. Teaches the pool's costs, counts as a success for its breaker and, for
-        interactive work, feeds the loop."""
+                queue_wait_s: float, ttft_s: float, e2e_s: float, now: float, epoch: int,
+                probe: int | None = None) -> None:
+        """Report a request that finished on ``pool`` (from its Final record); ``epoch`` and
+        ``probe`` are its decision's (``breaker_probe``). Teaches the pool's costs, counts as a
+        success for its breaker and, for interactive work, feeds the loop."""
         self.learn(pool, prompt_tokens, completion_tokens, queue_wait_s, ttft_s, e2e_s)
-        self.answered(pool=pool, cls=cls, stream=stream, ttft_s=ttft_s, e2e_s=e2e_s, now=now, epoch=epoch)
+        self.answered(pool=pool, cls=cls, stream=stream, ttft_s=ttft_s, e2e_s=e2e_s, now=now, epoch=epoch,
+                      probe=probe)
 
     def learn(self, pool: str, prompt_tokens: int, completion_tokens: int, queue_wait_s: float, ttft_s: float,
               e2e_s: float) -> None:
@@ -291,12 +297,12 @@ class AdmissionController:
                                     self.cfg.admission.estimator)
 
     def answered(self, *, pool: str, cls: str, stream: bool, ttft_s: float, e2e_s: float, now: float,
-                 epoch: int, n: int = 1) -> None:
+                 epoch: int, n: int = 1, probe: int | None = None) -> None:
         """A request of ``n`` choices answered, its costs learned apart (:meth:`learn`): a success
-        for the pool's breaker (``n`` probes, when it is half-open) and, for interactive work, a
-        measure for the loop, as its client saw it."""
+        for the pool's breaker (``n`` probes, when it is half-open and ``probe`` is its decision's
+        ``breaker_probe``) and, for interactive work, a measure for the loop, as its client saw it."""
         self._last_heard[pool] = now
-        self.breaker(pool).record_success(now, n)
+        self.breaker(pool).record_success(now, n, probe)
         if cls == "interactive":
             self.feedback.record((ttft_s if stream else e2e_s) / self.objective(stream), epoch)
 

@@ -12,6 +12,10 @@ otherwise, except that a request of more choices than there are probes may probe
 none out: else a pool that hears only such requests (a client that always asks for several
 samples) would stay half-open, refusing them all, for as long as it heard no other. One
 answered is ``n`` successful probes.
+
+A probe is known by the ticket ``acquire`` gives it, which its answer brings back: requests let
+through before the breaker opened may still answer while probes are out, and taken for them
+they closed it with no probe answered.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class CircuitBreaker:
     opened_at: float | None = None
     consecutive: int = 0
     probes_in_flight: int = 0
+    spell: int = 0
+    """How many times it opened: a probe's ticket, which the probes of an earlier half-open
+    spell (dropped when it opened again) do not hold."""
     probe_successes: int = 0
     last_probe_at: float = 0.0
     outcomes: deque[bool] = field(init=False)
@@ -56,10 +63,14 @@ class CircuitBreaker:
             self.probes_in_flight = 0
         return self.probes_in_flight + n <= self.cfg.half_open_probes or not self.probes_in_flight
 
-    def acquire(self, now: float, n: int = 1) -> None:
-        if self.state(now) == "half_open":
-            self.probes_in_flight += n
-            self.last_probe_at = now
+    def acquire(self, now: float, n: int = 1) -> int | None:
+        """Take ``n`` probe slots when half-open. Returns the probe's ticket for
+        ``record_success``; None when the request is no probe (the breaker is closed)."""
+        if self.state(now) != "half_open":
+            return None
+        self.probes_in_flight += n
+        self.last_probe_at = now
+        return self.spell
 
     def retry_after(self, now: float, n: int = 1) -> float:
         """Seconds until the breaker may let something through again: the cool-down's end when
@@ -71,13 +82,13 @@ class CircuitBreaker:
             return max(self.last_probe_at + self.cfg.open_s - now, 0.0)
         return max(self.opened_at + self.cfg.open_s - now, 0.0)
 
-    def record_success(self, now: float, n: int = 1) -> None:
-        """A request of ``n`` engine requests answered."""
+    def record_success(self, now: float, n: int = 1, probe: int | None = None) -> None:
+        """A request of ``n`` engine requests answered; ``probe``: the ticket ``acquire`` gave it."""
         state = self.state(now)
         if state == "open":
             return
         if state == "half_open":
-            if not self.probes_in_flight:  # a request let through before it opened: not a probe
+            if probe != self.spell or not self.probes_in_flight:  # no probe of this spell
                 return
             probes = min(n, self.probes_in_flight)
             self.probes_in_flight -= probes
@@ -106,6 +117,7 @@ class CircuitBreaker:
 
     def _open(self, now: float) -> None:
         self.opened_at = now
+        self.spell += 1
         self.probes_in_flight = 0
         self.probe_successes = 0
 

@@ -35,6 +35,24 @@ def test_the_gateways_time_before_queueing_is_not_learned_as_prefill() -> None:
     assert decode < 0.009 and learned * 200 == pytest.approx(0.009 - decode, abs=1e-6)
 
 
+def test_only_the_probes_own_answer_closes_its_pools_half_open_breaker() -> None:
+    """An answer to a request let through before the breaker opened says nothing of the pool
+    now: the probe's ticket goes with its request to its answer."""
+    now = time.time()
+    admission = AdmissionController(load({"circuit": {"half_open_probes": 1, "close_after": 1}}))
+    breaker = admission.breaker("interactive")
+    for _ in range(admission.cfg.circuit.consecutive_failures):
+        breaker.record_failure(now - admission.cfg.circuit.open_s - 1)
+    probe = breaker.acquire(now)
+    state = SimpleNamespace(metrics=GatewayMetrics(), admission=admission)
+    for ticket, after in ((None, "half_open"), (probe, "closed")):
+        job = _stream_job()
+        job.state, job.breaker_probe, job.outcome = state, ticket, "length"
+        job.final = Final("length", 3, 1, attempt=1)
+        _observe(job)
+        assert breaker.state(time.time()) == after
+
+
 @pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
 async def test_a_keep_alive_before_the_headers_does_not_turn_a_refusal_into_a_200() -> None:
     """A keep-alive queued ahead of a worker's immediate refusal: the refusal is still the

@@ -242,11 +242,31 @@ def test_open_circuit_fails_fast_then_probes() -> None:
     assert probe.admitted and probe.pool == "interactive"
     assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open"
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2, epoch=0)
-    assert ask(ctl, only_interactive, now=15.3).admitted
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.2, epoch=0, probe=probe.breaker_probe)
+    second = ask(ctl, only_interactive, now=15.3)
+    assert second.admitted
     ctl.observe(pool="interactive", cls="interactive", stream=False, prompt_tokens=100, completion_tokens=8,
-                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4, epoch=0)
+                queue_wait_s=0.0, ttft_s=0.02, e2e_s=0.09, now=15.4, epoch=0, probe=second.breaker_probe)
     assert ctl.breaker("interactive").state(15.5) == "closed"
+
+
+def test_an_answer_sent_before_the_circuit_opened_is_not_its_probes() -> None:
+    """Requests let through before the pool's breaker opened, answered while its probe is out:
+    counted as probes, two closed it with the probe unanswered."""
+    ctl = AdmissionController(load({"circuit": {"half_open_probes": 1, "close_after": 2}}))
+    only_interactive = {"interactive": signals()["interactive"]}
+    before = ask(ctl, only_interactive, now=9.0)
+    for _ in range(ctl.cfg.circuit.consecutive_failures):
+        ctl.observe_failure("interactive", now=10.0)
+    probe = ask(ctl, only_interactive, now=15.0)
+    assert probe.admitted and probe.breaker_probe is not None and before.breaker_probe is None
+    for now in (15.1, 15.2):
+        ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=now,
+                     epoch=0, probe=before.breaker_probe)
+        assert ask(ctl, only_interactive, now=now).reason == "circuit-open", "its probe is still out"
+    ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=15.3, epoch=0,
+                 probe=probe.breaker_probe)
+    assert ctl.breaker("interactive").state(15.3) == "half_open"
 
 
 def test_a_half_open_pool_is_probed_by_no_more_engine_requests_than_its_probes() -> None:
@@ -256,12 +276,15 @@ def test_a_half_open_pool_is_probed_by_no_more_engine_requests_than_its_probes()
     only_interactive = {"interactive": signals()["interactive"]}
     for _ in range(ctl.cfg.circuit.consecutive_failures):
         ctl.observe_failure("interactive", now=10.0)
-    assert ask(ctl, only_interactive, now=15.0).admitted
+    first = ask(ctl, only_interactive, now=15.0)
+    assert first.admitted
     d = ask(ctl, only_interactive, now=15.0, n=2)
     assert (d.outcome, d.reason, d.status) == ("unavailable", "circuit-open", 503), "one probe is left, not two"
-    assert ask(ctl, only_interactive, now=15.1).admitted
-    for now in (15.2, 15.3):
-        ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=now, epoch=0)
+    second = ask(ctl, only_interactive, now=15.1)
+    assert second.admitted
+    for now, probe in ((15.2, first), (15.3, second)):
+        ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=now, epoch=0,
+                     probe=probe.breaker_probe)
     assert ctl.breaker("interactive").state(15.4) == "closed"
 
 
@@ -272,11 +295,12 @@ def test_a_request_of_more_choices_than_probes_probes_alone() -> None:
     only_interactive = {"interactive": signals()["interactive"]}
     for _ in range(ctl.cfg.circuit.consecutive_failures):
         ctl.observe_failure("interactive", now=10.0)
-    assert ask(ctl, only_interactive, now=15.0, n=3).admitted
+    probe = ask(ctl, only_interactive, now=15.0, n=3)
+    assert probe.admitted
     assert ask(ctl, only_interactive, now=15.1, n=3).reason == "circuit-open", "it probes alone"
     assert ask(ctl, only_interactive, now=15.1).reason == "circuit-open"
     ctl.answered(pool="interactive", cls="interactive", stream=False, ttft_s=0.02, e2e_s=0.09, now=15.2, epoch=0,
-                 n=3)
+                 n=3, probe=probe.breaker_probe)
     assert ctl.breaker("interactive").state(15.3) == "closed", "each choice answered is a probe that succeeded"
 
 

@@ -66,11 +66,9 @@ def test_refusals_while_the_probe_is_out_say_when_it_will_be_given_up() -> None:
 
 def test_successful_probes_close() -> None:
     br = opened()
-    br.acquire(5.0)
-    br.record_success(5.2)
+    br.record_success(5.2, probe=br.acquire(5.0))
     assert br.state(5.2) == "half_open" and br.ready(5.2)
-    br.acquire(5.2)
-    br.record_success(5.3)
+    br.record_success(5.3, probe=br.acquire(5.2))
     assert br.state(5.3) == "closed"
     br.record_failure(5.4)
     br.record_failure(5.4)
@@ -105,3 +103,34 @@ def test_outcomes_while_open_change_nothing() -> None:
     br.record_success(1.0)
     br.record_failure(2.0)
     assert br.state(4.9) == "open" and br.state(5.0) == "half_open"
+
+
+def test_answers_of_requests_sent_before_it_opened_do_not_stand_in_for_the_probes() -> None:
+    """Requests let through before it opened that answer while a probe is out say nothing of the
+    pool now: taken for the probe's success, two of them closed the breaker with no probe
+    answered."""
+    br = opened()
+    first = br.acquire(5.0)
+    br.record_success(5.1)
+    assert not br.ready(5.1), "the probe is still out"
+    br.record_success(5.2, probe=first)
+    second = br.acquire(5.3)
+    br.record_success(5.4)
+    assert br.state(5.5) == "half_open"
+    br.record_success(5.6, probe=second)
+    assert br.state(5.6) == "closed"
+
+
+def test_a_probe_of_an_earlier_half_open_spell_is_not_one_of_the_next() -> None:
+    """Out when another probe failed and reopened the breaker, which forgot it: its late answer,
+    once half-open again, is no probe of the new spell, whose own probe it would stand in for."""
+    br = opened()
+    stale = br.acquire(5.0)
+    br.acquire(10.0)
+    br.record_failure(10.1)
+    assert br.state(15.1) == "half_open"
+    fresh = br.acquire(15.1)
+    br.record_success(15.2, probe=stale)
+    assert not br.ready(15.2), "the new probe is still out"
+    br.record_success(15.3, probe=fresh)
+    assert br.probe_successes == 1
