@@ -514,7 +514,7 @@ async def _stream(request: web.Request, jobs: list[_Job], source: Subscription |
     try:
         async for choice, text, rec in _records(jobs, source.records, send):
             if rec is QUIET:  # before the headers, nothing needs keeping alive yet
-                if resp is not None:
+                if resp is not None and not out:  # frames keep it alive; the choices, told at once, need one
                     out.append(shapes.KEEP_ALIVE)
             elif isinstance(rec, Delta):
                 resp = resp or await start()

@@ -148,6 +148,39 @@ async def test_records_that_arrive_together_go_out_in_one_write() -> None:
 
 
 @pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+async def test_a_quiet_stream_of_several_choices_sends_one_keep_alive_at_a_time() -> None:
+    """Each choice hears the reader's keep-alive tick (its subscription is a stream's): a quiet
+    stream of three sent three comments in each write, where one keeps its connection open."""
+    from gateway.choices import merged
+    from gateway.completions import _stream
+    from gateway.results import QUIET, Subscription
+    from slogate.protocol import Delta
+
+    jobs = [_stream_job(Subscription(f"{i}-r", keep_alive=True)) for i in range(3)]
+    for i, job in enumerate(jobs):
+        job.index = i
+    jobs[0].sub.records.put_nowait(Delta("a", 0))
+    writes = _Writes()
+    async with merged(jobs) as source:
+        streaming = asyncio.create_task(_stream(_http_request(writes), jobs, source))
+        await _written(writes, 1)
+        for job in jobs:  # as the reader's tick tells every quiet stream at once
+            job.sub.records.put_nowait(QUIET)
+        await _written(writes, 2)
+        for job in jobs:
+            job.sub.records.put_nowait(Final("stop", 3, 1))
+        await streaming
+    [_, (_, quiet)] = [c for c in writes.calls if c[0] == "write"]
+    assert quiet == b": keep-alive\n\n"
+    assert writes.calls[-1][1].count(b'"finish_reason":"stop"') == 3
+
+
+async def _written(writes: _Writes, count: int) -> None:
+    while sum(kind == "write" for kind, _ in writes.calls) < count:
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
 async def test_a_write_the_deadline_cuts_short_is_not_sent_again() -> None:
     """The deadline may fire while a write waits for a slow client to drain: what that write
     put on the wire must not go out again with the stream's end."""
