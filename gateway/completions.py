@@ -194,8 +194,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     jobs = [_Job(state, parsed, choice, state.mux.subscribe(choice.id, parsed.stream, pool), arrived, headers,
                  decision.epoch, decision.breaker_probe, request["audit"]["key"], index=i)
             for i, choice in enumerate(choices.fan_out(gen, parsed.n))]
-    busy_until = decision.busy_until or time.time()
-    for job in jobs:
+    for job, busy_until in zip(jobs, decision.slot_ends or [time.time()] * len(jobs)):
         job.slot = state.directory.own.start(pool, busy_until)
     request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
     request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)

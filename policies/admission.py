@@ -49,9 +49,10 @@ class Decision:
     predicted_s: float | None = None
     pool: str | None = None
     worker: str | None = None
-    busy_until: float | None = None
-    """When an admitted request's slot should free (predicted wait + the whole answer); the
-    gateway keeps it while the request is in flight (:class:`policies.inflight.InFlight`)."""
+    slot_ends: tuple[float, ...] = ()
+    """When each of an admitted request's choices' slots should free (its own predicted wait +
+    the whole answer), in their order; none when it was not predicted. The gateway keeps them
+    while the choices are in flight (:class:`policies.inflight.InFlight`)."""
     epoch: int = 0
     """The feedback loop's verdicts when it was admitted: its answer is judged under them
     (:meth:`AdmissionController.observe`). ``UNJUDGED`` for a probe: let through against the
@@ -131,7 +132,7 @@ class AdmissionController:
         if cls == "interactive":
             budget = self.budget(stream)
             route = pick(cls, stream, prompt_tokens, max_tokens, model, usable, self.estimate, budget, self.cfg, now,
-                         self.prompts)
+                         self.prompts, n)
             if route is None:
                 return self._unavailable(own, signals, now, n)
             return self._interactive(route, budget, stream, now, deadline, now if sent_at is None else sent_at, n)
@@ -189,7 +190,7 @@ class AdmissionController:
         probe = self.breaker(route.pool).acquire(now, n)
         self.prompt_book(route.pool).book(pred.prompt_share_s, now, pred.priced_share)
         return Decision("admit", reason, 200, 0.0, pred.total_s, route.pool, route.worker,
-                        now + pred.wait_s + pred.hold_s, UNJUDGED if reason == "probe" else self.feedback.epoch,
+                        pred.slot_ends(now), UNJUDGED if reason == "probe" else self.feedback.epoch,
                         breaker_probe=probe)
 
     def _batch(self, own: list[str], stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
@@ -198,13 +199,14 @@ class AdmissionController:
         target = self.cfg.objectives.batch
         if deadline is not None and now >= deadline:
             return Decision("expired", "deadline", 504)
-        route = pick("batch", stream, prompt_tokens, max_tokens, model, usable, self.estimate, None, self.cfg, now)
-        busy_until = None
+        route = pick("batch", stream, prompt_tokens, max_tokens, model, usable, self.estimate, None, self.cfg, now,
+                     choices=n)
+        slot_ends: tuple[float, ...] = ()
         if route is not None:
             # The whole answer, streamed or not: a batch deadline is for all of it, not its first token.
             pool, worker = route.pool, route.worker
             predicted = route.prediction.wait_s + route.prediction.hold_s
-            busy_until = now + predicted
+            slot_ends = route.prediction.slot_ends(now)
         else:
             # No live worker yet: batch may still queue (workers restart), if the pool is not failing.
             queueable = next((p for p in own if p in usable or p not in signals), None)
@@ -233,7 +235,7 @@ class AdmissionController:
         probe = self.breaker(pool).acquire(now, n)
         if route is not None:
             self.prompt_book(pool).book(route.prediction.prompt_share_s, now, route.prediction.priced_share)
-        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, busy_until, breaker_probe=probe)
+        return Decision("admit", "queued", 200, 0.0, predicted, pool, worker, slot_ends, breaker_probe=probe)
 
     def _may_queue(self, pool: str, pred: Prediction) -> bool:
         """Whether an interactive request may wait for a slot rather than get one at once. Not

@@ -146,6 +146,9 @@ class Prediction:
     floor_hold_s: float = 0.0
     """``hold_s`` likewise: the least the whole answer takes, by which a request is told apart
     that misses its deadline whatever the learned costs say."""
+    choice_waits_s: tuple[float, ...] = ()
+    """Each of a request's choices' own ``queue_wait_s``, the last being the request's: the
+    earlier ones are ahead of it in line, and take slots that free sooner."""
 
     @property
     def wait_s(self) -> float:
@@ -156,6 +159,11 @@ class Prediction:
     @property
     def total_s(self) -> float:
         return self.wait_s + self.service_s
+
+    def slot_ends(self, now: float) -> tuple[float, ...]:
+        """When each choice's slot should free: its own wait (at least the prompts ahead, as
+        ``wait_s``), then its whole answer."""
+        return tuple(now + max(wait, self.prompts_ahead_s) + self.hold_s for wait in self.choice_waits_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,9 +298,10 @@ def slot_wait(in_flight: int, capacity: int, own_ends: Collection[float], now: f
 
 def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, prompt_tokens: int,
             max_tokens: int, stream: bool, own_ends: Collection[float] = (), now: float = 0.0,
-            prompts_ahead_s: float = 0.0) -> Prediction | None:
+            prompts_ahead_s: float = 0.0, choices: int = 1) -> Prediction | None:
     """None when no worker can serve the request, since then no number means anything.
-    Non-decreasing in ``in_flight`` and in ``prompts_ahead_s``."""
+    Non-decreasing in ``in_flight`` and in ``prompts_ahead_s``. ``choices``: the request's,
+    all but the last of which ``in_flight`` counts already, each in line behind the one before."""
     if load.capacity <= 0:
         return None
     in_flight = max(in_flight - load.parked, 0)
@@ -301,6 +310,8 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     c = c._replace(decode_s_per_token=c.decode_s_per_token + growth)
     mean_service = service_time(c, est.prompt_tokens, est.completion_tokens, False)
     wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, c.decode_s_per_token)
+    waits = (*(slot_wait(in_flight - ahead, load.capacity, own_ends, now, mean_service, c.decode_s_per_token)
+               for ahead in range(choices - 1, 0, -1)), wait) if choices > 1 else (wait,)
     step = load.decode_s_per_token + growth
     priced = 1.0 - step / c.decode_s_per_token if load.decode_s_per_token and c.decode_s_per_token else 0.0
     # What a prompt takes of the engine, which is what later prompts wait behind: the workers'
@@ -312,7 +323,7 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
                       load.prefill_s_per_token * prompt_tokens / load.workers,
                       min(max(priced, 0.0), MAX_PRICED_SHARE),
                       floor_service(load, c, prompt_tokens, max_tokens, stream),
-                      floor_service(load, c, prompt_tokens, max_tokens, False))
+                      floor_service(load, c, prompt_tokens, max_tokens, False), waits)
 
 
 def floor_service(load: PoolLoad, c: Costs, prompt_tokens: int, max_tokens: int, stream: bool) -> float:

@@ -27,7 +27,7 @@ class Route:
 def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
           estimate: Callable[[str], PoolEstimate], cfg: PolicyConfig, model: str | None,
           prompt_tokens: int, max_tokens: int, stream: bool, now: float,
-          prompts: Mapping[str, PromptBook]) -> Route | None:
+          prompts: Mapping[str, PromptBook], choices: int) -> Route | None:
     best: Route | None = None
     for pool in pools:
         sig = signals.get(pool)
@@ -40,7 +40,7 @@ def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
             # serves the model counts it exactly, and answers 400 if it does not fit after all.
             load = aggregate(sig.workers, model, 0, est)
         pred = predict(sig.in_flight, load, est, cfg.admission.estimator, prompt_tokens, max_tokens, stream,
-                       sig.own_ends, now, prompts[pool].ahead(now) if pool in prompts else 0.0)
+                       sig.own_ends, now, prompts[pool].ahead(now) if pool in prompts else 0.0, choices)
         if pred is not None and (best is None or pred.total_s < best.prediction.total_s):
             best = Route(pool, load.hint, pred)
     return best
@@ -49,18 +49,19 @@ def _best(pools: Sequence[str], signals: Mapping[str, PoolSignals],
 def pick(cls: str, stream: bool, prompt_tokens: int, max_tokens: int, model: str | None,
          signals: Mapping[str, PoolSignals], estimate: Callable[[str], PoolEstimate],
          budget_s: float | None, cfg: PolicyConfig, now: float = 0.0,
-         prompts: Mapping[str, PromptBook] | None = None) -> Route | None:
+         prompts: Mapping[str, PromptBook] | None = None, choices: int = 1) -> Route | None:
     """The route with the least predicted latency among ``cls``'s own pools, or a spill pool
     for interactive work when only that one fits ``budget_s``. None when no pool in
     ``signals`` (the caller leaves out pools whose circuit is open) has a worker for it.
-    ``now`` is the clock the signals' slot end times and the pools' ``prompts`` are on."""
+    ``now`` is the clock the signals' slot end times and the pools' ``prompts`` are on.
+    ``choices``: as :func:`policies.predict.predict` takes them."""
     books = prompts or {}
     own = _best(cfg.routing.pools[cls], signals, estimate, cfg, model, prompt_tokens, max_tokens, stream, now,
-                books)
+                books, choices)
     if cls != "interactive" or budget_s is None or (own is not None and own.prediction.total_s <= budget_s):
         return own
     spill = _best(cfg.routing.interactive_spill, signals, estimate, cfg, model, prompt_tokens, max_tokens, stream,
-                  now, books)
+                  now, books, choices)
     if spill is not None and spill.prediction.total_s <= budget_s:
         return Route(spill.pool, spill.worker, spill.prediction, spilled=True)
     return own

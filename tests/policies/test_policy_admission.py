@@ -74,6 +74,31 @@ def test_n_choices_are_predicted_as_the_last_of_n_requests(cls: str) -> None:
         assert (many.outcome, many.reason, many.predicted_s) == (alone.outcome, alone.reason, alone.predicted_s)
 
 
+@pytest.mark.parametrize("cls", ["interactive", "batch"])
+def test_each_choice_is_given_its_own_slots_predicted_end(cls: str) -> None:
+    """Choices queue one behind another: the first starts on a free slot while the last waits for
+    one to free. All given the last's end, the earlier ones' slots counted as held until then, and
+    the requests after them were predicted waits for slots those choices had freed long before."""
+    def behind(i: int) -> dict[str, PoolSignals]:  # i requests queued on a pool with 2 free slots
+        if cls == "interactive":
+            return signals(i_depth=i, i_running=7)
+        return signals(i_running=0, b_depth=i, b_running=62)
+
+    def taught() -> AdmissionController:  # an interactive request may queue only on a pool of learned costs
+        ctl = AdmissionController(CFG)
+        for i in range(CFG.admission.estimator.min_samples):
+            ctl.observe(pool="interactive", cls="batch", stream=False, prompt_tokens=100, completion_tokens=8,
+                        queue_wait_s=0.0, ttft_s=0.011, e2e_s=0.081, now=float(i), epoch=0)
+        return ctl
+
+    for n in (1, 2, 3):
+        many = ask(taught(), behind(0), cls=cls, n=n)
+        assert many.admitted and len(many.slot_ends) == n, many
+        for i, end in enumerate(many.slot_ends):
+            assert end == pytest.approx(ask(taught(), behind(i), cls=cls).slot_ends[0]), (n, i)
+        assert many.slot_ends[0] < many.slot_ends[-1] or n < 3, "the first choice needs no slot to free"
+
+
 def test_what_fits_once_may_not_fit_n_times() -> None:
     assert ask(AdmissionController(CFG), signals(i_running=7)).admitted
     many = ask(AdmissionController(CFG), signals(i_running=7), n=8)
