@@ -20,6 +20,7 @@ from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from gateway import completions, prompt_ratios
 from gateway.audit import AuditLog
@@ -268,6 +269,7 @@ def _resources(cfg: Config):
             log.warning("authentication is OFF: anyone who reaches this port can use it; "
                         "configure api_keys for anything but local use")
         app[STATE] = state
+        await _warn_if_evicting(commands)
         await state.directory.refresh()
         await prompt_ratios.restore(commands, state.admission.prompt_tokens)
         ratios = prompt_ratios.RatioSaver(commands, state.admission.prompt_tokens)
@@ -285,6 +287,22 @@ def _resources(cfg: Config):
         await commands.aclose()
 
     return ctx
+
+
+async def _warn_if_evicting(redis: aioredis.Redis) -> None:
+    """Say so once at startup when a full Redis would evict keys: the queues, heartbeats, this
+    gateway's alive key (its loss fails every request that has heard nothing) and the audit
+    trail's flush numbers (a flush sent again after a lost reply is then written twice) are not
+    data the gateway can do without. Under ``noeviction`` a full Redis refuses writes, which the
+    gateway answers with a 503 to retry. Redis unreachable, or INFO refused, says nothing here."""
+    try:
+        memory = await redis.info("memory")
+    except (RedisError, OSError):
+        return
+    policy = memory.get("maxmemory_policy", "noeviction")
+    if memory.get("maxmemory") and policy != "noeviction":
+        log.warning("Redis evicts keys when it is full (maxmemory-policy %s): it may drop queued requests, "
+                    "heartbeats and audit records; set maxmemory-policy noeviction", policy)
 
 
 _RAW_BYTES = re.compile(r"""b'(?:[^'\\]|\\.)*(?:'|$)|b"(?:[^"\\]|\\.)*(?:"|$)""")
