@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from policies.inflight import InFlight
 from policies.predict import PoolSignals
@@ -78,7 +79,22 @@ for i = 2, #KEYS do
 end
 """
 """Drop from the set the heartbeat keys that expired, unless the worker renewed one since it
-was read (it adds its name back at each beat anyway)."""
+was read (it adds its name back at each beat anyway). Run at every read, with none to drop too:
+the gateway's audit trail, rate limits and stream slots are scripts as well, and a Redis user
+refused them makes the gateway unready from its first read (``refused``), not from the first
+worker that dies."""
+
+NEEDS = "+eval +evalsha +script|load, and reads and writes of the slogate:* keys"
+"""What the gateway's Redis user must be allowed, besides the plain commands: its scripts."""
+
+
+_NO_PERMISSION = re.compile(r"no permissions to (?:run the '[^']+' command|access an? \w+)", re.IGNORECASE)
+
+
+def _refusal(exc: NoPermissionError) -> str:
+    """What Redis refused, without the script text a pipeline's error quotes."""
+    found = _NO_PERMISSION.search(str(exc))
+    return found[0] if found else str(exc)
 
 
 class WorkerDirectory:
@@ -102,6 +118,8 @@ class WorkerDirectory:
         self._reading_since: float | None = None
         """When (monotonic) the read of the fleet under way started; None between reads."""
         self._said_down = False
+        self.refused: str | None = None
+        """What Redis's ACL refused this gateway's user at the last read; None if nothing."""
         """Whether the log says Redis is unreachable, so each outage is one line, from the first
         read on (a gateway started without Redis says so), and so is each recovery."""
         self.own = InFlight()
@@ -129,9 +147,14 @@ class WorkerDirectory:
                 for pool in pools:
                     p.xlen(keys.queue(pool))
                 expired = [name for name, data in zip(names, raw) if data is None]
-                if expired:
-                    p.eval(_FORGET_EXPIRED, 1 + len(expired), keys.WORKERS, *expired)
+                p.eval(_FORGET_EXPIRED, 1 + len(expired), keys.WORKERS, *expired)
                 depths = (await p.execute())[:len(pools)]
+        except NoPermissionError as exc:
+            if self.refused is None:
+                log.error("Redis's ACL refuses this gateway's user a command it needs (it needs %s): %s", NEEDS,
+                          _refusal(exc))
+            self._read_ok, self._reading_since, self.refused = False, None, _refusal(exc)
+            return False
         except (RedisError, OSError) as exc:
             if not self._said_down:
                 log.error("Redis unreachable: %s", exc)
@@ -149,7 +172,9 @@ class WorkerDirectory:
                 self.unserved_since.setdefault(pool, now)
         if self._said_down:
             log.info("Redis reachable again")
-        self._read_ok, self._reading_since, self._said_down = True, None, False
+        if self.refused is not None:
+            log.info("Redis's ACL allows this gateway's user what it needs again")
+        self._read_ok, self._reading_since, self._said_down, self.refused = True, None, False, None
         return True
 
     def _note_missing(self, heartbeats: list[Heartbeat], now: float) -> None:
@@ -189,6 +214,8 @@ class WorkerDirectory:
             await asyncio.sleep(self.poll_s)
 
     def ready(self) -> tuple[bool, str]:
+        if self.refused is not None:
+            return False, f"Redis's ACL refuses this gateway's user a command it needs ({NEEDS}): {self.refused}"
         if not self.redis_ok:
             return False, "Redis is unreachable"
         live = self.view.by_pool

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import make_app
-from slogate.config import Config
+from slogate import keys, protocol
+from slogate.config import Config, PoolConfig
 from slogate.local_redis import LocalRedis
+from slogate.protocol import Heartbeat, ModelInfo
 
 
 async def test_a_redis_that_evicts_keys_when_full_is_named_at_startup(own_redis: LocalRedis, caplog) -> None:
@@ -31,3 +36,31 @@ async def test_a_redis_that_refuses_writes_when_full_is_not_warned_of(own_redis:
     async with TestClient(TestServer(make_app(Config(redis_url=own_redis.url)))):
         pass
     assert "maxmemory-policy" not in caplog.text
+
+
+async def test_a_gateway_whose_redis_user_may_not_run_scripts_says_so_in_its_readiness(own_redis: LocalRedis,
+                                                                                      caplog) -> None:
+    """The gateway's audit trail, rate limits, stream slots and fleet reads run Lua scripts. A
+    user refused them was ready until the first worker's heartbeat expired, then unready for good
+    (the expired name is only ever pruned by a script), saying "Redis is unreachable"."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", "-@scripting")
+    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
+                   waiting=0, capacity=8, prefill_s_per_token=0.01, decode_step_s=0.005)
+    await admin.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb), px=600_000)
+    await admin.sadd(keys.WORKERS, keys.heartbeat("interactive", "w1"))
+    url = f"redis://gw:pw@127.0.0.1:{own_redis.port}/0"
+    cfg = Config(redis_url=url, pools={"interactive": PoolConfig()}, worker_poll_s=0.05)
+    async with TestClient(TestServer(make_app(cfg))) as client:
+        resp = await client.get("/readyz")
+        body = await resp.json()
+        assert resp.status == 503 and "ACL" in body["reason"] and "eval" in body["reason"], body
+        assert "Redis is unreachable" not in caplog.text
+        [line] = [r.getMessage() for r in caplog.records if "ACL" in r.getMessage()]
+        assert "+eval" in line and "evalsha" in line
+        await admin.execute_command("ACL", "SETUSER", "gw", "+@scripting")
+        deadline = time.monotonic() + 10
+        while (resp := await client.get("/readyz")).status != 200:
+            assert time.monotonic() < deadline, await resp.text()
+            await asyncio.sleep(0.05)
+    await admin.aclose()
