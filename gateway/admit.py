@@ -38,7 +38,10 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     (:mod:`gateway.holds`): asked about again in its turn until it may go or its deadline
     passes. One that comes while others are held, for a pool they wait for, joins the line's end
     (it would otherwise go before them) and the first in the line asks at once; one for another
-    pool, or refused, is answered at once. A full line sheds it.
+    pool, or refused, is answered at once. One behind others asks each ``hold_retry_s`` too, as
+    one behind them, so it goes only once its route is a pool nobody waits for (a worker came
+    for its model): it waited for those ahead of it, which only the interactive load lets go.
+    A full line sheds it.
     """
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
@@ -49,23 +52,25 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     max_tokens = parsed.sampling.max_tokens if parsed.max_tokens_given else None
     turn = None
     sent_at = time.time()
+    hold_retry_s = state.cfg.policies.objectives.batch.hold_retry_s
     try:
         while True:
             now = time.time()
-            pause = deadline - now  # behind others: until the one ahead goes, or its deadline
-            if turn is None or state.holds.first(turn) or pause <= 0:
-                decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
-                                      max_tokens=max_tokens, signals=state.directory.signals(), now=now,
-                                      model=parsed.model, deadline=deadline,
-                                      sent_at=sent_at, behind_held=turn is None and bool(state.holds), n=parsed.n)
-                if decision.outcome != "wait":
-                    state.metrics.decided(cls, decision.outcome, decision.reason)
-                    break
-                if turn is None:
-                    turn = _join(state, parsed, cls, decision.reason)
-                    if decision.reason == "behind-held":  # the load may have fallen: the first asks now
-                        state.holds.wake_first()
-                pause = min(decision.retry_after_s, pause)  # asked again by its deadline, which says 504
+            pause = deadline - now
+            behind = turn is not None and not state.holds.first(turn) and pause > 0
+            decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
+                                  max_tokens=max_tokens, signals=state.directory.signals(), now=now,
+                                  model=parsed.model, deadline=deadline, sent_at=sent_at,
+                                  behind_held=behind or (turn is None and bool(state.holds)), n=parsed.n)
+            if decision.admitted or (decision.outcome != "wait" and not behind):
+                state.metrics.decided(cls, decision.outcome, decision.reason)
+                break
+            if turn is None:
+                turn = _join(state, parsed, cls, decision.reason)
+                if decision.reason == "behind-held":  # the load may have fallen: the first asks now
+                    state.holds.wake_first()
+            # asked again by its deadline, which says 504; behind others, only to go elsewhere
+            pause = min(decision.retry_after_s if state.holds.first(turn) else hold_retry_s, pause)
             turn.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, pause)):

@@ -5,7 +5,9 @@ so they go in the order they came: only the oldest asks the admission controller
 when it goes the next one asks at once; a batch request that comes while the line is not empty,
 for a pool the line waits for, joins its end (``behind-held``) rather than going. Asking each on
 its own timer, or letting newcomers go, let a request that came later go first whenever the load
-dipped between the older ones' looks.
+dipped between the older ones' looks. Those behind the first look again on their own timer all
+the same, as ones behind it: only to go to a pool the line does not wait for, once their route
+leads there.
 """
 
 from __future__ import annotations

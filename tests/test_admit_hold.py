@@ -39,14 +39,16 @@ class Busy:
 class Until:
     """Says "wait" (retry after ``retry_s``) until ``go`` is set, then admits whoever asks, as
     the real controller does for a pool shared with interactive work: one that comes while
-    others are held waits behind them. Model "other" is served by a pool nobody waits for."""
+    others are held waits behind them. Models in ``elsewhere`` are served by a pool nobody waits
+    for."""
 
     def __init__(self, retry_s: float) -> None:
         self.retry_s, self.go = retry_s, False
+        self.elsewhere = {"other"}
         self.prompt_tokens = PromptTokens()
 
     def decide(self, *, model: str, behind_held: bool, **_) -> Decision:
-        if model == "other":
+        if model in self.elsewhere:
             return Decision("admit", "queued", 200, pool="bulk")
         if behind_held:
             return Decision("wait", "behind-held", 429, self.retry_s, pool="batch")
@@ -100,8 +102,8 @@ async def test_a_draining_gateway_answers_what_it_holds_with_a_503() -> None:
 
 
 async def test_a_drain_wakes_requests_waiting_behind_others_at_once() -> None:
-    """Only the oldest looks again each retry interval; the ones behind it sleep to their deadline
-    unless woken."""
+    """Only the oldest looks again to go to the pool the line waits for; the ones behind it look
+    each hold retry (a second) only to go elsewhere, and otherwise sleep unless woken."""
     deadline = time.time() + 30
     state = held_state(Until(retry_s=30.0))
     held = [asyncio.create_task(admit(state, PARSED, "batch", deadline)) for _ in range(3)]
@@ -169,6 +171,27 @@ async def test_a_request_for_a_pool_nobody_waits_for_goes_at_once_while_others_a
     held.cancel()
     with pytest.raises(asyncio.CancelledError):
         await held
+
+
+async def test_a_request_behind_others_whose_route_no_longer_waits_goes_without_them() -> None:
+    """Held behind another for the pool they share with interactive work, a request whose model
+    a pool nobody waits for has come to serve (its worker started) waited for the one ahead of
+    it, which only the interactive load lets go, or for its own deadline: an hour for batch."""
+    deadline = time.time() + 60
+    controller = Until(retry_s=30.0)
+    state = held_state(controller)
+    ahead = asyncio.create_task(admit(state, PARSED, "batch", deadline))
+    await asyncio.sleep(0.05)
+    behind = asyncio.create_task(admit(state, dataclasses.replace(PARSED, model="m2"), "batch", deadline))
+    await asyncio.sleep(0.05)
+    assert len(state.holds) == 2
+    controller.elsewhere.add("m2")
+    decision = await asyncio.wait_for(behind, 10)  # asked again within the hold retry, a second
+    assert decision.pool == "bulk" and not ahead.done() and len(state.holds) == 1
+    assert decisions(state, "wait") == 2 and decisions(state, "admit") == 1
+    controller.go = True
+    state.holds.wake_first()
+    assert (await asyncio.wait_for(ahead, 10)).pool == "batch"
 
 
 async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:
