@@ -69,6 +69,10 @@ class Loss:
 
     since: float
     found_at: float = field(default_factory=time.monotonic)
+    newest_before: dict[tuple[str, str], float] | None = None
+    """Each worker's newest heartbeat time this gateway had read when it first looked at the loss
+    (``WorkerDirectory.newest``): a beat no newer may come from a replica that lagged, and says
+    what the worker held before the loss."""
 
 
 class ResultMux:

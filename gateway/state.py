@@ -91,14 +91,23 @@ class GatewayState:
         or gone (``WorkerDirectory.missing``, by that worker's own TTL): one that beats slower than
         this gateway expects, or late, may be running requests that hear nothing until their
         answer. A pool with a worker of a release that does not say what it holds keeps its
-        requests waiting, as before."""
+        requests waiting, as before. Nor is a worker's heartbeat taken for what it holds unless it is
+        newer than those read of it before: after a failover to a replica that lagged, the one
+        there may be from before the worker took the requests it runs (or ended others).
+        Decided once each worker beats again, or its beat from the replica expires."""
         loss = self.mux.loss
-        if loss is None or time.monotonic() - loss.found_at < self.cfg.heartbeat_ttl_s:
+        if loss is None:
+            return
+        if loss.newest_before is None:
+            loss.newest_before = dict(self.directory.newest)
+        if time.monotonic() - loss.found_at < self.cfg.heartbeat_ttl_s:
             return
         if any(seen_at < loss.found_at for seen_at, _ in self.directory.missing.values()):
             return
-        self.mux.loss = None
         beats = [hb for hbs in self.directory.view.by_pool.values() for hb in hbs]
+        if any(hb.ts and hb.ts <= loss.newest_before.get((hb.pool, hb.worker_id), 0.0) for hb in beats):
+            return
+        self.mux.loss = None
         held = {rid for hb in beats for rid in hb.held or ()}
         unsaid = {hb.pool for hb in beats if hb.held is None}
         lost = [sub for sub in self.mux.unheard(loss.since)

@@ -122,6 +122,9 @@ class WorkerDirectory:
         """What Redis's ACL refused this gateway's user at the last read; None if nothing."""
         """Whether the log says Redis is unreachable, so each outage is one line, from the first
         read on (a gateway started without Redis says so), and so is each recovery."""
+        self.newest: dict[tuple[str, str], float] = {}
+        """The newest heartbeat time (``Heartbeat.ts``, by the worker's own clock) read of each
+        worker (pool, id) present or missing, by which a beat from a Redis that lags is told."""
         self.own = InFlight()
         """This gateway's requests in flight; the request handlers start and end them."""
         self.unserved_since: dict[str, float] = {}
@@ -162,6 +165,7 @@ class WorkerDirectory:
             return False
         now = time.monotonic()
         self._note_missing(heartbeats, now)
+        self._note_newest(heartbeats)
         self.view = FleetView(heartbeats, dict(zip(pools, depths)),
                               {pool: self.own.count(pool) for pool in pools})
         self._view_read_at = started
@@ -185,6 +189,15 @@ class WorkerDirectory:
                 self.missing.setdefault((hb.pool, hb.worker_id),
                                         (self._view_read_at, now + (hb.ttl_s or self.heartbeat_ttl_s)))
         self.missing = {w: seen for w, seen in self.missing.items() if w not in present and seen[1] > now}
+
+    def _note_newest(self, heartbeats: list[Heartbeat]) -> None:
+        """Update ``newest`` from a read, after ``missing``: a worker neither present nor missing
+        is gone, and forgotten."""
+        newest = {w: ts for w, ts in self.newest.items() if w in self.missing}
+        for hb in heartbeats:
+            worker = (hb.pool, hb.worker_id)
+            newest[worker] = max(hb.ts, self.newest.get(worker, 0.0))
+        self.newest = newest
 
     def signals(self) -> dict[str, PoolSignals]:
         """Each pool's requests in flight: this gateway's own, counted as they start and end,

@@ -20,7 +20,7 @@ from engines.worker import Worker, WorkerSettings
 from gateway.app import make_app
 from gateway.results import ALIVE_TTL_S
 from gateway.state import STATE
-from slogate import keys
+from slogate import keys, protocol
 from slogate.config import Config
 from slogate.tasks import cancel_and_wait
 
@@ -140,3 +140,35 @@ async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_que
         served = await asyncio.wait_for(line.queued, 30)
         assert served.status == 200, await served.text()
         assert (await asyncio.wait_for(line.taken, 30)).status == 200
+
+
+async def test_a_replica_that_lagged_behind_a_heartbeat_does_not_vouch_for_what_the_worker_held(own_redis) -> None:
+    """Redis failed over to a replica that lagged: it holds the worker's heartbeat from before it
+    took the running request, which the gateway has seen a newer one of. Read as what the
+    worker holds, it had the running request failed with a 503 while the worker ran it. The
+    worker beats each 4 s, for 10 s: its next beat comes well past the gateway's TTL of 1 s."""
+    async with one_at_a_time(own_redis.url, beat_s=4.0, beat_ttl_s=10.0) as line:
+        client = aioredis.Redis.from_url(own_redis.url)
+        beat = keys.heartbeat("interactive", line.worker.s.worker_id)
+        stale = await client.get(beat)  # holds nothing yet
+        taken = line.send(240)  # 12 s of decode
+        while not line.worker.inflight:
+            await asyncio.sleep(0.01)
+        queued = line.send(4)
+        while await client.xlen(keys.queue("interactive")) < 2 or not protocol.decode_heartbeat(
+                await client.get(beat)).held:  # the next beat names the running one
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the gateway reads it (each 0.1 s)
+        await client.aclose()
+        own_redis.stop()
+        own_redis.start()
+        client = aioredis.Redis.from_url(own_redis.url)
+        await client.set(beat, stale, px=9_000)  # what the replica had of it
+        await client.sadd(keys.WORKERS, beat)
+        await client.aclose()
+        lost = await asyncio.wait_for(queued, 30)
+        assert lost.status == 503, await lost.text()
+        assert (await lost.json())["error"]["code"] == "redis_unavailable"
+        answered = await asyncio.wait_for(taken, 30)
+        assert answered.status == 200, await answered.text()
+        assert (await answered.json())["usage"]["completion_tokens"] == 240
