@@ -22,17 +22,16 @@ async def despite_cancels(cleanup: Awaitable[None]) -> None:
     """Await ``cleanup`` to its end, then raise the cancel if one came meanwhile. A task's last
     cleanup (ending an engine process) would otherwise be cut short by :func:`cancel_and_wait`,
     which cancels the task again every few milliseconds until it ends: ``cleanup`` must end
-    by itself, and soon."""
+    by itself, and soon. The cleanup's own failure outranks the cancel, as it would in a
+    ``finally``: read off the ended task, it is raised even when a cancel lands in the same
+    turn; and a cleanup that is itself cancelled (the loop closing) raises its cancel."""
     task = asyncio.ensure_future(cleanup)
     cancelled = False
-    while True:
+    while not task.done():
         try:
-            await asyncio.shield(task)
+            await asyncio.wait([task])
         except asyncio.CancelledError:
-            if task.done():  # the cleanup itself was cancelled (the loop is closing)
-                raise
             cancelled = True
-            continue
-        if cancelled:
-            raise asyncio.CancelledError
-        return
+    task.result()
+    if cancelled:
+        raise asyncio.CancelledError

@@ -52,3 +52,43 @@ async def test_a_cleanup_that_is_itself_cancelled_ends_it() -> None:
     inner.cancel()
     with pytest.raises(asyncio.CancelledError):
         await outer
+
+
+@pytest.mark.parametrize("cancel_first", [True, False])
+async def test_a_cleanup_that_fails_as_the_cancel_lands_raises_its_failure(cancel_first: bool) -> None:
+    """A cancel landing in the same turn as the cleanup's failure once read as the cleanup being
+    cancelled itself: the failure was dropped and only the cancel came out."""
+    fail = asyncio.Event()
+
+    async def cleanup() -> None:
+        await fail.wait()
+        raise RuntimeError("cleanup failed")
+
+    outer = asyncio.create_task(despite_cancels(cleanup()))
+    await asyncio.sleep(0)
+    if cancel_first:
+        outer.cancel()
+        fail.set()
+    else:
+        fail.set()
+        outer.cancel()
+    with pytest.raises(RuntimeError, match="cleanup failed"):
+        await outer
+
+
+async def test_a_cleanup_that_fails_after_a_cancel_raises_its_failure() -> None:
+    async def cleanup() -> None:
+        await asyncio.sleep(0.02)
+        raise RuntimeError("cleanup failed")
+
+    async def run() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            await despite_cancels(cleanup())
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(RuntimeError, match="cleanup failed"):
+        await task
