@@ -132,12 +132,15 @@ class EngineProcess:
         The loop closes the socket only once it runs again: a close that then waited for the
         process on the loop kept the engine from seeing the end of its socket, stepping on what
         it held until it was killed. Here the socket is gone before the wait, which runs off
-        the loop; what was still buffered for the engine is of no use to it now.
+        the loop; what was still buffered for the engine is of no use to it now. An attach that
+        failed left the socket unattached: closed as it is, the process ends the same way.
         """
-        assert self._writer is not None, "attach() first"
-        self._writer.transport.abort()
-        with contextlib.suppress(OSError):  # the connection broke first: closed all the same
-            await self._writer.wait_closed()
+        if self._writer is None:
+            self._sock.close()
+        else:
+            self._writer.transport.abort()
+            with contextlib.suppress(OSError):  # the connection broke first: closed all the same
+                await self._writer.wait_closed()
         await asyncio.to_thread(self._end, timeout_s)
 
     def _end(self, timeout_s: float) -> None:

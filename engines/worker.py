@@ -417,9 +417,12 @@ class Worker:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         sender = asyncio.create_task(self._sender(done))
-        await self.engine.attach()
-        finisher = asyncio.create_task(self._finish_engine())
+        started = [sender]
         try:
+            # Inside the try: an attach that raises leaves neither the sender nor the engine
+            # running. The finisher sends the engine its stop, so it starts once attached.
+            await self.engine.attach()
+            started.append(asyncio.create_task(self._finish_engine()))
             while (report := await self.engine.next()) is not None:
                 self._engine_heard_at = time.monotonic()
                 if isinstance(report, Step):
@@ -441,7 +444,7 @@ class Worker:
             raise
         finally:
             try:
-                await cancel_and_wait([sender, finisher])
+                await cancel_and_wait(started)
             finally:  # cancelled again meanwhile (the worker's run is): the engine still ends before the run does
                 await despite_cancels(self.engine.aclose(1.0))
 

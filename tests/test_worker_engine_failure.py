@@ -194,3 +194,27 @@ async def test_a_cancel_message_that_is_no_request_id_is_skipped(redis_url: str)
     finally:
         await cancel_and_wait([task])
         await client.aclose()
+
+
+async def _attach_fails() -> None:
+    raise OSError("the engine's socket could not join the loop")
+
+
+@pytest.mark.parametrize("place", ["thread", "process"])
+async def test_a_worker_whose_engine_cannot_attach_leaves_nothing_running(redis_url: str, place: str) -> None:
+    """The engine loop started its sender before attaching the engine: an attach that raised left
+    the sender running for good, and an engine process running until the worker's process ended."""
+    client = aioredis.Redis.from_url(redis_url)
+    engine = create(decode_base_s=0) if place == "thread" else EngineProcess(create)
+    worker = Worker(engine, client, WorkerSettings(pool="p"))
+    worker.engine.attach = _attach_fails
+    try:
+        with pytest.raises(OSError, match="could not join the loop"):
+            await asyncio.wait_for(worker.run(), 10)
+        await asyncio.sleep(0)
+        left = [t.get_coro().__qualname__ for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        assert not [name for name in left if name.startswith("Worker.")], left
+        if place == "process":
+            assert engine._proc.exitcode is not None, "the engine process ended with the worker's run"
+    finally:
+        await client.aclose()
