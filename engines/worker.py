@@ -258,14 +258,20 @@ class Worker:
         """Serve the requests Redis handed this worker in a reply that never arrived (a read
         timed out on a slow Redis, a connection cut). They are this worker's pending entries,
         which nobody else claims until they have been idle ``claim_idle_s``: a 15 s stall at
-        least, where taking them back now costs one XPENDING after a failed read."""
+        least, where taking them back now costs one XPENDING after a failed read.
+
+        At most ``room`` of them, the oldest: what this worker holds may come after them in the
+        look. Entries too young to take (another loop of this one claimed them, and holds them
+        in a moment) that fill the look are waited for, not looked at again at once."""
         held = self._unacked | {job.entry_id for job in self.inflight.values()}
         count = room + len(held)
         try:
             pending = await self.redis.xpending_range(self.queue, keys.GROUP, "-", "+", count,
                                                       consumername=self.s.worker_id)
-            unread = {p["message_id"]: p["times_delivered"] for p in pending
-                      if p["message_id"] not in held and p["time_since_delivered"] >= CUT_OFF_IDLE_MS}
+            others = [p for p in pending if p["message_id"] not in held]
+            cut_off = [p for p in others if p["time_since_delivered"] >= CUT_OFF_IDLE_MS]
+            young_ms = [p["time_since_delivered"] for p in others if p["time_since_delivered"] < CUT_OFF_IDLE_MS]
+            unread = {p["message_id"]: p["times_delivered"] for p in cut_off[:room]}
             entries = []
             # Claimed with their delivery counts as they are: a plain claim counts one delivery
             # more, and a worker that takes one over after this one died would take its second
@@ -282,11 +288,13 @@ class Worker:
             log.warning("looking for requests whose delivery to this worker was cut off failed (%s); retrying", exc)
             await asyncio.sleep(READ_RETRY_S)  # a claim whose reply was lost too: idle long enough again
             return
-        self._unread_own = len(pending) == count  # more may follow
+        self._unread_own = len(pending) == count or len(cut_off) > room  # more may follow
         entries = [(entry_id, fields) for entry_id, fields in entries if fields]
         if entries:
             log.warning("took back %d request(s) whose delivery to this worker was cut off", len(entries))
             await self._accept(entries, attempts=unread)
+        elif self._unread_own and young_ms:
+            await asyncio.sleep((CUT_OFF_IDLE_MS - max(young_ms)) / 1000)
 
     async def _accept(self, entries: Iterable[tuple[bytes, dict[bytes, bytes]]],
                       attempts: dict[bytes, int] | None) -> None:

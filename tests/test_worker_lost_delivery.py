@@ -184,3 +184,64 @@ async def test_a_request_another_worker_takes_over_meanwhile_is_not_taken_back(r
         await via.aclose()
         await direct.aclose()
         await cutter.close()
+
+
+async def deliver(direct: aioredis.Redis, worker: Worker, ids: list[str]) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Queue requests ``ids`` and have Redis hand them to ``worker``'s consumer, as a read whose
+    reply the worker may never see."""
+    for rid in ids:
+        req = GenerateRequest(id=rid, model="m", pool="p", cls="interactive", sampling=SamplingParams(max_tokens=2),
+                              deadline=time.time() + 60, enqueued_at=time.time(), reply=REPLIES, prompt="hi")
+        await direct.xadd(keys.queue("p"), {protocol.ID_FIELD: rid, protocol.FIELD: protocol.encode(req)})
+    return (await direct.xreadgroup(keys.GROUP, worker.s.worker_id, {keys.queue("p"): ">"}, count=len(ids)))[0][1]
+
+
+async def test_a_take_back_takes_no_more_than_there_is_room_for(redis_url: str) -> None:
+    """The look at this worker's pending entries asks for ``room`` more than it holds, but what it
+    holds may come after what was cut off (taken over from a worker that read later): every entry
+    of the look was cut off, and all of them were taken, past the room."""
+    direct = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0), direct, WorkerSettings(pool="p", claim_idle_s=120))
+    try:
+        await worker._ensure_group()
+        await deliver(direct, worker, [f"cut{i}" for i in range(5)])
+        await worker._accept(await deliver(direct, worker, [f"held{i}" for i in range(3)]), attempts=None)
+        await asyncio.sleep(0.3)  # past CUT_OFF_IDLE_MS
+        worker._unread_own = True
+        await worker._take_back_unread(2)
+        assert sorted(worker.inflight) == ["cut0", "cut1", "held0", "held1", "held2"]
+        assert worker._unread_own, "the rest is taken back as room frees"
+        await worker._take_back_unread(3)
+        assert len(worker.inflight) == 8
+    finally:
+        await asyncio.gather(*worker._checks)
+        await direct.aclose()
+
+
+async def test_a_take_back_waits_for_entries_too_young_to_take_rather_than_looking_again_at_once(
+        redis_url: str, monkeypatch) -> None:
+    """Entries delivered here a moment ago (another loop of this worker claimed them, and has yet
+    to hold them) filled the look: the intake looked again at once, over and over, until they
+    were old enough."""
+    direct = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0), direct, WorkerSettings(pool="p", claim_idle_s=120))
+    look = direct.xpending_range
+    looks = 0
+
+    async def counted(*args, **kwargs):
+        nonlocal looks
+        looks += 1
+        return await look(*args, **kwargs)
+
+    monkeypatch.setattr(direct, "xpending_range", counted)
+    try:
+        await worker._ensure_group()
+        await deliver(direct, worker, ["a", "b"])
+        worker._unread_own = True
+        while worker._unread_own and looks < 20:
+            await worker._take_back_unread(2)
+        assert sorted(worker.inflight) == ["a", "b"], "taken back once old enough"
+        assert looks <= 4, f"{looks} looks"
+    finally:
+        await asyncio.gather(*worker._checks)
+        await direct.aclose()
