@@ -127,9 +127,16 @@ class GatewayState:
         """Tell whichever worker holds the request to stop: a key for workers that have not
         picked it up yet (and for one that lost the channel a while), a message for the one
         running it. Sent again each second until Redis takes it or the deadline passes: a
-        request cancelled during an outage would otherwise run to its end for nobody."""
-        self.cancel_retries.pop(request_id, None)
+        request cancelled during an outage would otherwise run to its end for nobody. A cancel
+        of a request whose cancel is still being sent is that one: sent too, it would start a
+        second chain of re-sends."""
+        if request_id in self.unsent_cancels:
+            return
         self.unsent_cancels[request_id] = deadline
+        self._send_cancel(request_id, deadline)
+
+    def _send_cancel(self, request_id: str, deadline: float) -> None:
+        self.cancel_retries.pop(request_id, None)
         ttl_ms = int(max(1.0, deadline - time.time() + self.cfg.result_ttl_s) * 1000)
         flagged = self.batcher.call("SET", keys.cancel(request_id), "1", "PX", ttl_ms)
         self.batcher.fire("PUBLISH", keys.CANCEL_CHANNEL, request_id)
@@ -140,7 +147,7 @@ class GatewayState:
             self.unsent_cancels.pop(request_id, None)
         elif not self.closing:
             self.cancel_retries[request_id] = asyncio.get_running_loop().call_later(
-                CANCEL_RETRY_S, self.cancel, request_id, deadline)
+                CANCEL_RETRY_S, self._send_cancel, request_id, deadline)
 
     def send_cancels_now(self) -> None:
         """At shutdown: each cancel waiting for its retry goes at once, and none after it. The
@@ -150,7 +157,7 @@ class GatewayState:
         self.closing = True
         for request_id, retry in list(self.cancel_retries.items()):
             retry.cancel()
-            self.cancel(request_id, self.unsent_cancels[request_id])
+            self._send_cancel(request_id, self.unsent_cancels[request_id])
 
     def log_unsent_cancels(self) -> None:
         """Once the last commands had their replies: the cancels Redis did not take, in one line."""
