@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio.retry import Retry
@@ -26,7 +26,7 @@ from gateway import completions, prompt_ratios
 from gateway.audit import AuditLog
 from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
-from gateway.errors import APIError
+from gateway.errors import APIError, unsupported_encoding
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.ratelimit import RateLimiter
@@ -307,6 +307,8 @@ async def _warn_if_evicting(redis: aioredis.Redis) -> None:
 
 _RAW_BYTES = re.compile(r"""b'(?:[^'\\]|\\.)*(?:'|$)|b"(?:[^"\\]|\\.)*(?:"|$)""")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_CODING = re.compile(r"content-encoding: .*\((\w+)\)", re.IGNORECASE)
+"""The coding in aiohttp's ``Can not decode content-encoding: zstandard (zstd). Please install ...``."""
 
 
 def _hide_raw(message: str) -> str:
@@ -344,6 +346,9 @@ def malformed_http(exc: HttpProcessingError) -> APIError:
     if isinstance(exc, LineTooLong):
         return APIError(400, f"a header, or the request line (its URL), is longer than the {exc.args[1]} bytes "
                              "allowed", None, "header_too_large")
+    if isinstance(exc, ContentEncodingError):  # a coding aiohttp knows but lacks the package for (zstd)
+        named = _CODING.search(exc.message)
+        return unsupported_encoding(named[1] if named else None)
     detail = _hide_raw(exc.message).partition("\n")[0].rstrip(":") or "it cannot be parsed"
     return APIError(400, f"malformed HTTP request: {detail}", None, "malformed_http")
 

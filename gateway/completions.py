@@ -17,7 +17,7 @@ from gateway import choices, schema
 from gateway import openai_shapes as shapes
 from gateway.admit import admit, retry_headers
 from gateway.auth import Caller
-from gateway.errors import APIError, bad_request, redis_unavailable
+from gateway.errors import DECODED_CODINGS, APIError, bad_request, redis_unavailable, unsupported_encoding
 from gateway.relay import Relay, SplicedOutput
 from gateway.results import QUIET, Subscription
 from gateway.state import STATE, GatewayState
@@ -108,6 +108,9 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     if request.content_length is not None and request.content_length > limit:
         raise APIError(413, f"request body of {request.content_length} bytes exceeds the limit of "
                             f"{limit} bytes", None, "request_too_large")
+    coding = request.headers.get("Content-Encoding", "")
+    if coding and not (coding.isascii() and coding.lower() in (*DECODED_CODINGS, "identity")):
+        raise unsupported_encoding(coding)  # as aiohttp tells one it decodes
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -49,3 +50,16 @@ def redis_unavailable(what: str, exc: BaseException) -> APIError:
     or socket path, which is the operator's to see (logged here), not a client's."""
     log.warning("%s: %s", what, exc)
     return APIError(503, f"{what}: Redis is unavailable", None, "redis_unavailable")
+
+
+DECODED_CODINGS = ("gzip", "deflate", *(("br",) if HAS_BROTLI else ()), *(("zstd",) if HAS_ZSTD else ()))
+"""The Content-Encodings aiohttp decodes: one of these, never a list of them."""
+
+
+def unsupported_encoding(coding: str | None) -> APIError:
+    """A body in a coding aiohttp does not decode is read as it came, and would be refused as
+    JSON malformed at its first byte: this names the coding instead (``None``: aiohttp's error
+    did not say which)."""
+    what = f"Content-Encoding {coding!r}" if coding else "the body's Content-Encoding"
+    return APIError(415, f"{what} is not supported: send the body uncompressed or in one of "
+                         f"{', '.join(DECODED_CODINGS)}", None, "unsupported_content_encoding")
