@@ -10,7 +10,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import redis.asyncio as aioredis
@@ -150,6 +150,9 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:
         return APIError(404, f"no such endpoint: {request.method} {request.path}", None, "unknown_url")
     if exc.status == 413:
         return APIError(413, "request body too large", None, "request_too_large")
+    if exc.status == 417:
+        return APIError(417, f"unsupported Expect header {request.headers.get('Expect', '')!r}: only "
+                             "'100-continue' is", None, "expectation_failed")
     return APIError(exc.status, exc.reason or "request failed", None, None)
 
 
@@ -374,12 +377,32 @@ class _JsonErrorsServer(web.Server):
         return _JsonErrorsHandler(self, loop=self._loop, **self._kwargs)
 
 
+def _refused_before_middlewares(handle: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]):
+    """aiohttp refuses an Expect header other than ``100-continue`` with a plain-text 417, raised
+    before any middleware runs: this hands the refusal to :func:`edge`, which answers it as every
+    other (OpenAI's shape, a request id, the audit trail)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handle(request)
+        except web.HTTPException as exc:
+            refused = exc
+
+        async def refuse(_: web.Request) -> web.StreamResponse:
+            raise refused
+
+        return await edge(request, refuse)
+
+    return handler
+
+
 class _Runner(web.AppRunner):
-    """An AppRunner whose connections answer unparseable requests in OpenAI's shape."""
+    """An AppRunner whose connections answer unparseable requests, and the ones aiohttp refuses
+    before the middlewares, in OpenAI's shape."""
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
-        return _JsonErrorsServer(plain.request_handler, request_factory=plain.request_factory,
+        return _JsonErrorsServer(_refused_before_middlewares(plain.request_handler),
+                                 request_factory=plain.request_factory,
                                  handler_cancellation=plain.handler_cancellation, **plain._kwargs)
 
 

@@ -15,8 +15,8 @@ from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-          502: "api_error", 503: "service_unavailable", 504: "timeout_error"}
+          413: "invalid_request_error", 415: "invalid_request_error", 417: "invalid_request_error",
+          429: "rate_limit_error", 502: "api_error", 503: "service_unavailable", 504: "timeout_error"}
 log = logging.getLogger("slogate.gateway")
 
 

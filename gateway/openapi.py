@@ -25,6 +25,7 @@ ERROR_STATUSES = {
     408: "The body did not arrive within the gateway's `client_timeout_s`.",
     413: "The body exceeds the gateway's `max_body_bytes`.",
     415: "The body is in a `Content-Encoding` the gateway does not decode.",
+    417: "An `Expect` header other than `100-continue`.",
     429: "Shed by admission control or over the key's rate limit; see `Retry-After`.",
     500: "The worker's engine failed while serving the request, or the gateway failed unexpectedly.",
     502: "The worker failed or ended the request.",

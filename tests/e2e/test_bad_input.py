@@ -277,6 +277,20 @@ async def test_a_request_aiohttp_cannot_parse_gets_an_openai_error(stack: Stack,
     assert status == 200
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/nope"])
+async def test_an_expectation_other_than_100_continue_is_a_417_in_openai_shape(stack: Stack, path: str) -> None:
+    """aiohttp refuses an Expect header it does not know before any middleware runs, in plain text."""
+    body = json.dumps({"model": MODEL, "messages": MSGS}).encode()
+    status, headers, answer = await raw(stack, b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                               b"Expect: 200-ok\r\nContent-Type: application/json\r\n"
+                                               b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+    assert status == 417 and headers["content-type"].startswith("application/json"), answer
+    assert headers.get("x-request-id")
+    resp = json.loads(answer)
+    assert resp["error"]["code"] == "expectation_failed"
+    assert_error(resp, None, "Expect", "'200-ok'", "100-continue")
+
+
 async def test_slow_clients_are_cut_off(redis_server) -> None:
     """A body that does not arrive is a 408; headers that never end close the connection."""
     slow = start_stack(redis_server, decode_base_s=0.001, SLOGATE_CLIENT_TIMEOUT_S="1")
