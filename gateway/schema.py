@@ -218,6 +218,7 @@ _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
+_AT_BYTE = re.compile(r"\(byte (\d+)\)$")
 
 
 def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int,
@@ -234,10 +235,35 @@ def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: 
         text = str(exc)
         if "UTF-8" in text:
             raise bad_request("request body is not valid UTF-8", code="invalid_encoding") from None
-        raise bad_request(f"request body is not valid JSON: {text}", code="invalid_json") from None
+        raise bad_request(f"request body is not valid JSON: {_json_error(kind, body, text)}",
+                          code="invalid_json") from None
     if isinstance(raw, ChatBody) and len(raw.messages) > max_messages:
         raise bad_request(f"at most {max_messages} messages are allowed, got {len(raw.messages)}", "messages")
     return _check(kind, raw, default_max_tokens, max_n)
+
+
+_TRUNCATED = "Input data was truncated"
+_ROOM = b" " * 6
+"""What msgspec reads ahead of a high surrogate's escape (``\\ud83d``) for its low one."""
+
+
+def _json_error(kind: str, body: bytes, text: str) -> str:
+    """msgspec's error, or the one it hides: a body whose last string ends in a lone high
+    surrogate (half an emoji, as ``JSON.stringify`` escapes it) has fewer than six bytes after
+    it in the usual chat body (``"}]}``), and msgspec calls such a body truncated. Decoded
+    again with room after it, the error is the surrogate's if it lies in the body, not in the
+    room (a body cut short stays truncated)."""
+    if text != _TRUNCATED:
+        return text
+    try:
+        _decoders[kind].decode(body + _ROOM)
+    except msgspec.DecodeError as exc:
+        at = _AT_BYTE.search(str(exc))
+        if at and int(at[1]) < len(body):
+            return str(exc)
+    except msgspec.ValidationError:
+        pass
+    return text
 
 
 def _validation_error(text: str) -> APIError:

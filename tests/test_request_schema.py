@@ -146,3 +146,23 @@ def test_a_known_field_asking_for_what_the_gateway_lacks_is_refused(message: str
 def test_stream_options_openai_sends_are_accepted() -> None:
     body = CHAT % ("", ', "stream": true, "stream_options": {"include_usage": true, "include_obfuscation": false}')
     assert parse("chat", body.encode(), 16).include_usage
+
+
+@pytest.mark.parametrize("content", [r"\ud83d", r"hi \udbff", r"\ud800"])
+def test_a_lone_surrogate_at_the_end_of_a_body_is_named_not_called_a_truncated_body(content: str) -> None:
+    """Half an emoji, as a client that cut its text and ``JSON.stringify`` escape it, in the last
+    message's content: only ``"}]}`` follows it, and msgspec, finding fewer than six bytes after a
+    high surrogate's escape, says the input was truncated."""
+    body = f'{{"model": "m", "messages": [{{"role": "user", "content": "{content}"}}]}}'.encode()
+    with pytest.raises(APIError) as err:
+        parse("chat", body, 16)
+    assert err.value.code == "invalid_json"
+    assert "surrogate" in err.value.message and "truncated" not in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("body", [b'{"model": "m", "messages": [{"role": "user", "content": "x',
+                                  b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d'])
+def test_a_body_that_is_cut_short_is_called_truncated(body: bytes) -> None:
+    with pytest.raises(APIError) as err:
+        parse("chat", body, 16)
+    assert err.value.code == "invalid_json" and "truncated" in err.value.message, err.value.message
