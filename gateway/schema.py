@@ -7,6 +7,7 @@ walking); every failure becomes an :class:`APIError` naming the offending field.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import functools
 import math
 import re
@@ -219,6 +220,7 @@ _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _AT_BYTE = re.compile(r"\(byte (\d+)\)$")
+_BOMS = (codecs.BOM_UTF8, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 
 def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: int,
@@ -235,6 +237,9 @@ def parse(kind: Literal["chat", "completion"], body: bytes, default_max_tokens: 
         text = str(exc)
         if "UTF-8" in text:
             raise bad_request("request body is not valid UTF-8", code="invalid_encoding") from None
+        if body.startswith(_BOMS):  # invisible in an editor: 'invalid character (byte 0)' would point at a '{'
+            raise bad_request("request body starts with a byte order mark; send UTF-8 JSON without one",
+                              code="invalid_encoding") from None
         raise bad_request(f"request body is not valid JSON: {_json_error(kind, body, text)}",
                           code="invalid_json") from None
     if isinstance(raw, ChatBody) and len(raw.messages) > max_messages:

@@ -3,6 +3,7 @@ checks for presence (or ignores) holds; and which fields inside its objects it k
 
 from __future__ import annotations
 
+import codecs
 import tracemalloc
 
 import msgspec
@@ -166,3 +167,14 @@ def test_a_body_that_is_cut_short_is_called_truncated(body: bytes) -> None:
     with pytest.raises(APIError) as err:
         parse("chat", body, 16)
     assert err.value.code == "invalid_json" and "truncated" in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("encoded", [
+    codecs.BOM_UTF8 + (CHAT % ("", "")).encode(), (CHAT % ("", "")).encode("utf-16"),
+    codecs.BOM_UTF16_BE + (CHAT % ("", "")).encode("utf-16-be")], ids=["utf-8-bom", "utf-16-le", "utf-16-be"])
+def test_a_body_with_a_byte_order_mark_is_refused_naming_it(encoded: bytes) -> None:
+    """A byte order mark is invisible in an editor: 'invalid character (byte 0)' pointed at a '{'."""
+    with pytest.raises(APIError) as err:
+        parse("chat", encoded, 16)
+    assert err.value.code == "invalid_encoding"
+    assert "byte order mark" in err.value.message and "UTF-8" in err.value.message, err.value.message
