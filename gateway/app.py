@@ -160,7 +160,7 @@ def _models(request: web.Request) -> list[dict[str, object]]:
     """Behind the same key check as completions, and only the models the key may use: which
     models a deployment serves is not for anyone who reaches the port."""
     state = request.app[STATE]
-    caller = state.keys.authenticate(request.headers.get("Authorization"))
+    caller = state.keys.for_request(request.headers)
     view = state.directory.view
     created = int(state.started_at)
     return [{"id": m.id, "object": "model", "created": created, "owned_by": "slogate",

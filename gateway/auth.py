@@ -11,6 +11,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+from multidict import CIMultiDictProxy
+
 from gateway.errors import APIError
 from slogate.config import ApiKeyConfig
 
@@ -36,6 +38,14 @@ class KeyStore:
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
+
+    def for_request(self, headers: CIMultiDictProxy[str]) -> Caller:
+        """The caller a request's one Authorization header names. Two are refused, not the first
+        taken: a proxy that checks the last would disagree with this gateway on who is calling."""
+        sent = headers.getall("Authorization", [])
+        if self.enabled and len(sent) > 1:
+            raise APIError(401, f"send one Authorization header, got {len(sent)}", None, "invalid_api_key")
+        return self.authenticate(sent[0] if sent else None)
 
     def authenticate(self, authorization: str | None) -> Caller:
         if not self._keys:

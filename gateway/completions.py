@@ -154,7 +154,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.StreamResponse:
     arrived = time.time()
     with tracing.span("validate"):
-        caller = state.keys.authenticate(request.headers.get("Authorization"))
+        caller = state.keys.for_request(request.headers)
         request["audit"]["key"] = caller.key_id
         body = await _read_body(request, state.cfg.max_body_bytes, state.cfg.client_timeout_s)
         parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages, state.cfg.max_n)

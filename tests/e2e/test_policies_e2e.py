@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 import redis
 import yaml
+from multidict import CIMultiDict
 
 from gateway.auth import hash_key
 from slogate import keys
@@ -173,6 +174,21 @@ async def test_a_key_that_is_not_utf8_is_refused_as_unknown(guarded: list[Stack]
     answer = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     assert answer.startswith(b"HTTP/1.1 401") and b"invalid_api_key" in answer, answer[:200]
+
+
+@pytest.mark.parametrize("keys", [("sk-pay", "sk-wrong"), ("sk-wrong", "sk-pay"), ("sk-pay", "sk-pay")])
+async def test_two_authorization_headers_are_refused_whichever_comes_first(guarded: list[Stack],
+                                                                           keys: tuple[str, str]) -> None:
+    """The first was taken: a proxy that checks the last one and this gateway would disagree on
+    who is calling, and the same request passed or failed by the headers' order."""
+    headers = CIMultiDict(("Authorization", f"Bearer {key}") for key in keys)
+    async with aiohttp.ClientSession() as s:
+        for method, path, body in (("POST", "/v1/chat/completions", SCORE), ("GET", "/v1/models", None)):
+            async with s.request(method, guarded[0].url + path, json=body, headers=headers) as r:
+                status, answer = r.status, await r.json()
+            assert status == 401, (path, answer)
+            assert answer["error"]["code"] == "invalid_api_key"
+            assert "one Authorization header, got 2" in answer["error"]["message"]
 
 
 async def test_requests_without_a_key_cannot_flood_the_audit_trail(guarded: list[Stack],
