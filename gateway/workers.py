@@ -118,10 +118,10 @@ class WorkerDirectory:
         self._reading_since: float | None = None
         """When (monotonic) the read of the fleet under way started; None between reads."""
         self._said_down = False
-        self.refused: str | None = None
-        """What Redis's ACL refused this gateway's user at the last read; None if nothing."""
         """Whether the log says Redis is unreachable, so each outage is one line, from the first
         read on (a gateway started without Redis says so), and so is each recovery."""
+        self.refused: str | None = None
+        """What Redis's ACL refused this gateway's user at the last read; None if nothing."""
         self.newest: dict[tuple[str, str], float] = {}
         """The newest heartbeat time (``Heartbeat.ts``, by the worker's own clock) read of each
         worker (pool, id) present or missing, by which a beat from a Redis that lags is told."""
