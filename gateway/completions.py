@@ -379,7 +379,9 @@ async def _records(jobs: list[_Job], records: asyncio.Queue[Any],
     every choice's last, and (choice, None, QUIET) when a stream has heard nothing for a while.
     ``records`` holds a lone choice's records, or the choices' (choice, record) pairs
     (:func:`gateway.choices.merged`). ``before_wait`` is awaited whenever no record is queued,
-    before waiting for one."""
+    before waiting for one. Iterate it in ``contextlib.aclosing``: it holds the request's
+    deadline, which, left to the loop's finalizer to close some turns after the caller stopped
+    (on a final error record), could still cancel the handler writing the answer."""
     lone = jobs[0] if len(jobs) == 1 else None
     left = len(jobs)
     try:
@@ -448,12 +450,13 @@ def _final_error(job: _Job, rec: Final | Error) -> APIError | None:
 
 
 async def _collect(jobs: list[_Job], source: Subscription | choices.Merged) -> web.Response:
-    async for job, _, rec in _records(jobs, source.records):
-        if isinstance(rec, Delta):
-            continue
-        err = _final_error(job, rec)
-        if err is not None:
-            raise err
+    async with contextlib.aclosing(_records(jobs, source.records)) as records:
+        async for job, _, rec in records:
+            if isinstance(rec, Delta):
+                continue
+            err = _final_error(job, rec)
+            if err is not None:
+                raise err
     job = jobs[0]  # what the choices share
     kind, logprobs = job.parsed.kind, job.gen.sampling.logprobs is not None
     answers = [shapes.choice(kind, j.index, j.relay.text, j.outcome, j.relay.logprobs if logprobs else None)
@@ -514,20 +517,21 @@ async def _stream(request: web.Request, jobs: list[_Job], source: Subscription |
         resp = await start()
         await send()
     try:
-        async for choice, text, rec in _records(jobs, source.records, send):
-            if rec is QUIET:  # before the headers, nothing needs keeping alive yet
-                if resp is not None and not out:  # frames keep it alive; the choices, told at once, need one
-                    out.append(shapes.KEEP_ALIVE)
-            elif isinstance(rec, Delta):
-                resp = resp or await start()
-                use = _usage(jobs) if parsed.continuous_usage else None
-                out.append(chunks[choice.index].text(text, use, choice.relay.fresh if logprobs else None))
-            else:
-                err = _final_error(choice, rec)
-                if err is not None:
-                    raise err
-                resp = resp or await start()
-                out.append(chunks[choice.index].finish(rec.finish_reason))
+        async with contextlib.aclosing(_records(jobs, source.records, send)) as records:
+            async for choice, text, rec in records:
+                if rec is QUIET:  # before the headers, nothing needs keeping alive yet
+                    if resp is not None and not out:  # frames keep it alive; the choices, told at once, need one
+                        out.append(shapes.KEEP_ALIVE)
+                elif isinstance(rec, Delta):
+                    resp = resp or await start()
+                    use = _usage(jobs) if parsed.continuous_usage else None
+                    out.append(chunks[choice.index].text(text, use, choice.relay.fresh if logprobs else None))
+                else:
+                    err = _final_error(choice, rec)
+                    if err is not None:
+                        raise err
+                    resp = resp or await start()
+                    out.append(chunks[choice.index].finish(rec.finish_reason))
         if parsed.include_usage:
             out.append(chunks[0].usage(_usage(jobs)))
     except APIError as err:

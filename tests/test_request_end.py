@@ -291,6 +291,47 @@ async def test_a_stale_attempts_record_does_not_set_the_token_counts() -> None:
     assert (job.prompt_tokens, job.completion_tokens) == (5, 2)
 
 
+@pytest.mark.filterwarnings("ignore:It is recommended to use web.RequestKey")  # the gateway's own keys are strings
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_deadline_that_falls_just_after_the_last_record_does_not_cancel_the_answer(stream: bool) -> None:
+    """The request's deadline is armed inside the record reader: left open when the answer
+    ended on an error record, it stayed armed until the loop closed the reader some turns
+    later, and a deadline that fell meanwhile cancelled the handler writing the error (a
+    stream's last frames, the 500 of one not streamed). Here the handler's own time after the
+    error record (a blocking moment) runs past the deadline before it next yields."""
+    from gateway.completions import LATE_S, _collect, _stream
+    from gateway.errors import APIError
+    from gateway.results import Subscription
+    from slogate.protocol import Delta, Error
+
+    class BusyClient(_Writes):
+        async def write_eof(self, data: bytes = b"") -> None:
+            await super().write_eof(data)
+            await _past_the_deadline()
+
+    async def _past_the_deadline() -> None:
+        time.sleep(0.4)
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    sub = Subscription("r", keep_alive=stream)
+    for rec in (Delta("a", 0), Error("engine failed", "engine_error", 500, attempt=1)):
+        sub.records.put_nowait(rec)
+    sub.arrived.set()
+    job = _stream_job(sub)
+    job.parsed.stream = stream
+    job.gen.deadline = time.time() + 0.3 - LATE_S
+    writes = BusyClient()
+    if stream:
+        await _stream(_http_request(writes), [job], sub)
+        assert b'"code":"engine_error"' in writes.calls[-1][1]
+    else:
+        with pytest.raises(APIError) as failed:
+            await _collect([job], sub)
+        assert failed.value.code == "engine_error"
+        await _past_the_deadline()
+
+
 def _stream_job(sub: object = None, include_usage: bool = False) -> _Job:
     """A streamed chat request as ``_run`` hands it on, waiting on ``sub``."""
     now = time.time()
