@@ -156,7 +156,14 @@ class Worker:
         self.metrics = WorkerMetrics(settings.pool, settings.worker_id, engine.name)
 
     async def run(self) -> None:
-        await self._ensure_group()
+        try:
+            await self._ensure_group()
+        except BaseException:
+            # The engine loop, which closes the engine however it ends, has not started: an
+            # engine process would live on for as long as the worker's own (a queue Redis
+            # refuses, or a stop while Redis is away).
+            await despite_cancels(self.engine.aclose(1.0))
+            raise
         log.info("worker %s serving pool %s with %s engine (model %s)", self.s.worker_id,
                  self.s.pool, self.engine.name, self.engine.model_id)
         tasks = [asyncio.create_task(coro) for coro in (

@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import pytest
 import redis
 import redis.asyncio as aioredis
 
+from engines.engine_process import EngineProcess
+from engines.registry import create_engine
 from engines.sim import create
-from engines.worker import Worker, WorkerSettings
+from engines.worker import QueueUnusable, Worker, WorkerSettings
 from slogate import keys, protocol
 from slogate.processes import python_path
 from slogate.protocol import Final, GenerateRequest, SamplingParams
@@ -93,3 +97,34 @@ async def _busy(client: aioredis.Redis) -> bool:
     except redis.ResponseError as exc:
         return "BUSY" in str(exc)
     return False
+
+
+async def test_a_worker_that_cannot_use_its_queue_ends_its_engine_process(redis_url: str) -> None:
+    """The worker's run ended with QueueUnusable before its engine loop started, and the engine
+    loop is what closed the engine: its process lived on, for as long as the worker's own."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.set(keys.queue("p"), "not a stream")
+    engine = EngineProcess(partial(create_engine, "sim", None, {}))
+    try:
+        with pytest.raises(QueueUnusable, match="WRONGTYPE"):
+            await Worker(engine, client, WorkerSettings(pool="p")).run()
+    finally:
+        await client.aclose()
+    assert not engine._proc.is_alive()
+
+
+async def test_a_worker_stopped_while_it_waits_for_redis_ends_its_engine_process() -> None:
+    """Cancelled while it still retried joining the queue of a Redis that is not there."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    engine = EngineProcess(partial(create_engine, "sim", None, {}))
+    task = asyncio.create_task(Worker(engine, client, WorkerSettings(pool="p")).run())
+    try:
+        await asyncio.sleep(0.3)  # a failed join or two, each followed by a wait
+        assert not task.done()
+        await cancel_and_wait([task])
+    finally:
+        await client.aclose()
+    assert task.cancelled() and not engine._proc.is_alive()
