@@ -17,7 +17,14 @@ from gateway import choices, schema
 from gateway import openai_shapes as shapes
 from gateway.admit import admit, retry_headers
 from gateway.auth import Caller
-from gateway.errors import DECODED_CODINGS, APIError, bad_request, redis_unavailable, unsupported_encoding
+from gateway.errors import (
+    DECODED_CODINGS,
+    APIError,
+    acl_refused,
+    bad_request,
+    redis_unavailable,
+    unsupported_encoding,
+)
 from gateway.relay import Relay, SplicedOutput
 from gateway.results import QUIET, Subscription
 from gateway.state import STATE, GatewayState
@@ -328,7 +335,9 @@ def _longest_stream_s(cfg: Config) -> int:
 
 def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller) -> None:
     if not state.directory.redis_ok:
-        raise APIError(503, "Redis is unreachable; the request cannot be queued", None, "redis_unavailable",
+        refused = state.directory.refused
+        why = "Redis is unreachable" if refused is None else acl_refused(refused)
+        raise APIError(503, f"{why}; the request cannot be queued", None, "redis_unavailable",
                        retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
     view = state.directory.view
     if not view.heartbeats:

@@ -7,11 +7,13 @@ code path can answer a client's mistake with a 500 or a bare HTML page.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from redis.exceptions import NoPermissionError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
@@ -47,9 +49,32 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
 
 def redis_unavailable(what: str, exc: BaseException) -> APIError:
     """A 503 that says Redis failed, not where it is: redis-py's text names its host and port
-    or socket path, which is the operator's to see (logged here), not a client's."""
+    or socket path, which is the operator's to see (logged here), not a client's. One its ACL
+    refused says so: Redis is there, and the cause is its user's permissions."""
+    if isinstance(exc, NoPermissionError):
+        why = acl_refused(acl_refusal(exc))
+        log.warning("%s: %s", what, why)
+        return APIError(503, f"{what}: {why}", None, "redis_unavailable")
     log.warning("%s: %s", what, exc)
     return APIError(503, f"{what}: Redis is unavailable", None, "redis_unavailable")
+
+
+NEEDS = "+eval +evalsha +script|load, and reads and writes of the slogate:* keys"
+"""What the gateway's Redis user must be allowed, besides the plain commands: its scripts."""
+
+_NO_PERMISSION = re.compile(r"no permissions to (?:run the '[^']+' command|access an? \w+)", re.IGNORECASE)
+
+
+def acl_refusal(exc: NoPermissionError) -> str:
+    """What Redis refused, without the script text a pipeline's error quotes."""
+    found = _NO_PERMISSION.search(str(exc))
+    return found[0] if found else str(exc)
+
+
+def acl_refused(refusal: str) -> str:
+    """A refusal by Redis's ACL as readiness and a refused request say it, with what the user
+    needs: a client's 503 that said Redis was unreachable sent its operator to the network."""
+    return f"Redis's ACL refuses this gateway's user a command it needs ({NEEDS}): {refusal}"
 
 
 DECODED_CODINGS = ("gzip", "deflate", *(("br",) if HAS_BROTLI else ()), *(("zstd",) if HAS_ZSTD else ()))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from functools import cached_property
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
 
+from gateway.errors import NEEDS, acl_refusal, acl_refused
 from policies.inflight import InFlight
 from policies.predict import PoolSignals
 from slogate import keys, protocol
@@ -84,18 +84,6 @@ the gateway's audit trail, rate limits and stream slots are scripts as well, and
 refused them makes the gateway unready from its first read (``refused``), not from the first
 worker that dies."""
 
-NEEDS = "+eval +evalsha +script|load, and reads and writes of the slogate:* keys"
-"""What the gateway's Redis user must be allowed, besides the plain commands: its scripts."""
-
-
-_NO_PERMISSION = re.compile(r"no permissions to (?:run the '[^']+' command|access an? \w+)", re.IGNORECASE)
-
-
-def _refusal(exc: NoPermissionError) -> str:
-    """What Redis refused, without the script text a pipeline's error quotes."""
-    found = _NO_PERMISSION.search(str(exc))
-    return found[0] if found else str(exc)
-
 
 class WorkerDirectory:
     def __init__(self, redis: aioredis.Redis, pools: list[str], poll_s: float = 0.5,
@@ -155,8 +143,8 @@ class WorkerDirectory:
         except NoPermissionError as exc:
             if self.refused is None:
                 log.error("Redis's ACL refuses this gateway's user a command it needs (it needs %s): %s", NEEDS,
-                          _refusal(exc))
-            self._read_ok, self._reading_since, self.refused = False, None, _refusal(exc)
+                          acl_refusal(exc))
+            self._read_ok, self._reading_since, self.refused = False, None, acl_refusal(exc)
             return False
         except (RedisError, OSError) as exc:
             if not self._said_down:
@@ -228,7 +216,7 @@ class WorkerDirectory:
 
     def ready(self) -> tuple[bool, str]:
         if self.refused is not None:
-            return False, f"Redis's ACL refuses this gateway's user a command it needs ({NEEDS}): {self.refused}"
+            return False, acl_refused(self.refused)
         if not self.redis_ok:
             return False, "Redis is unreachable"
         live = self.view.by_pool

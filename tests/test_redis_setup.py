@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -64,3 +65,26 @@ async def test_a_gateway_whose_redis_user_may_not_run_scripts_says_so_in_its_rea
             assert time.monotonic() < deadline, await resp.text()
             await asyncio.sleep(0.05)
     await admin.aclose()
+
+
+@pytest.mark.parametrize(("rule", "refused"), [("-@scripting", "eval"), ("-xadd", "xadd")])
+async def test_a_request_that_redis_refuses_the_gateways_user_says_so(own_redis: LocalRedis, rule: str,
+                                                                      refused: str) -> None:
+    """Refused at the fleet read (scripts) or at the queueing itself (XADD): the client's 503
+    said Redis was unreachable or unavailable, pointing its operator at the network."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", rule)
+    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
+                   waiting=0, capacity=8, prefill_s_per_token=0.01, decode_step_s=0.005)
+    await admin.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb), px=600_000)
+    await admin.sadd(keys.WORKERS, keys.heartbeat("interactive", "w1"))
+    cfg = Config(redis_url=f"redis://gw:pw@127.0.0.1:{own_redis.port}/0", pools={"interactive": PoolConfig()},
+                 worker_poll_s=0.05)
+    async with TestClient(TestServer(make_app(cfg))) as client:
+        resp = await client.post("/v1/chat/completions",
+                                 json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        error = (await resp.json())["error"]
+    await admin.aclose()
+    assert resp.status == 503 and error["code"] == "redis_unavailable", error
+    assert "ACL" in error["message"] and "+evalsha" in error["message"], error
+    assert f"'{refused}' command" in error["message"] and "unreachable" not in error["message"], error
