@@ -10,6 +10,7 @@ the request rate.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -82,7 +83,10 @@ end
 was read (it adds its name back at each beat anyway). Run at every read, with none to drop too:
 the gateway's audit trail, rate limits and stream slots are scripts as well, and a Redis user
 refused them makes the gateway unready from its first read (``refused``), not from the first
-worker that dies."""
+worker that dies. Loaded and run by its SHA as well, with nothing to drop: the rate limiter's
+script runs as redis-py's scripts do (EVALSHA, and SCRIPT LOAD when Redis lacks it), and a
+user refused those would otherwise be ready, and fail the requests of every key."""
+_FORGET_EXPIRED_SHA = hashlib.sha1(_FORGET_EXPIRED.encode()).hexdigest()
 
 
 class WorkerDirectory:
@@ -139,6 +143,7 @@ class WorkerDirectory:
                     p.xlen(keys.queue(pool))
                 expired = [name for name, data in zip(names, raw) if data is None]
                 p.eval(_FORGET_EXPIRED, 1 + len(expired), keys.WORKERS, *expired)
+                p.script_load(_FORGET_EXPIRED).evalsha(_FORGET_EXPIRED_SHA, 1, keys.WORKERS)
                 depths = (await p.execute())[:len(pools)]
         except NoPermissionError as exc:
             if self.refused is None:

@@ -88,3 +88,19 @@ async def test_a_request_that_redis_refuses_the_gateways_user_says_so(own_redis:
     assert resp.status == 503 and error["code"] == "redis_unavailable", error
     assert "ACL" in error["message"] and "+evalsha" in error["message"], error
     assert f"'{refused}' command" in error["message"] and "unreachable" not in error["message"], error
+
+
+@pytest.mark.parametrize(("rule", "refused"), [("-evalsha", "evalsha"), ("-script|load", "script|load")])
+async def test_a_gateway_whose_redis_user_may_not_run_loaded_scripts_says_so_in_its_readiness(
+        own_redis: LocalRedis, rule: str, refused: str) -> None:
+    """The rate limiter's script runs by EVALSHA, loaded by SCRIPT LOAD when Redis lacks it. A
+    user allowed EVAL but not those was ready, and every request with keys on got a 503 from the
+    rate limits."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", rule)
+    cfg = Config(redis_url=f"redis://gw:pw@127.0.0.1:{own_redis.port}/0", pools={}, worker_poll_s=0.05)
+    async with TestClient(TestServer(make_app(cfg))) as client:
+        resp = await client.get("/readyz")
+        body = await resp.json()
+    await admin.aclose()
+    assert resp.status == 503 and f"'{refused}' command" in body["reason"], body
