@@ -154,7 +154,8 @@ class WorkerDirectory:
         except (RedisError, OSError) as exc:
             if not self._said_down:
                 log.error("Redis unreachable: %s", exc)
-            self._read_ok, self._reading_since, self._said_down = False, None, True
+            # Not the ACL's doing: readiness says Redis is down, and a refusal found once it is back is logged again.
+            self._read_ok, self._reading_since, self._said_down, self.refused = False, None, True, None
             return False
         now = time.monotonic()
         self._note_missing(heartbeats, now)

@@ -104,3 +104,22 @@ async def test_a_gateway_whose_redis_user_may_not_run_loaded_scripts_says_so_in_
         body = await resp.json()
     await admin.aclose()
     assert resp.status == 503 and f"'{refused}' command" in body["reason"], body
+
+
+async def test_a_gateway_refused_scripts_whose_redis_then_goes_down_says_it_is_unreachable(own_redis: LocalRedis,
+                                                                                          caplog) -> None:
+    """The ACL's refusal was kept through reads that failed for want of Redis: /readyz went on
+    blaming the ACL while Redis was down."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", "-@scripting")
+    await admin.aclose()
+    url = f"redis://gw:pw@127.0.0.1:{own_redis.port}/0"
+    cfg = Config(redis_url=url, pools={"interactive": PoolConfig()}, worker_poll_s=0.05)
+    async with TestClient(TestServer(make_app(cfg))) as client:
+        assert "ACL" in (await (await client.get("/readyz")).json())["reason"]
+        own_redis.stop()
+        deadline = time.monotonic() + 10
+        while "ACL" in (body := await (await client.get("/readyz")).json())["reason"]:
+            assert time.monotonic() < deadline, body
+            await asyncio.sleep(0.05)
+        assert body["reason"] == "Redis is unreachable", body
