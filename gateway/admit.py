@@ -41,7 +41,8 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
     pool, or refused, is answered at once. One behind others asks each ``hold_retry_s`` too, as
     one behind them, so it goes only once its route is a pool nobody waits for (a worker came
     for its model): it waited for those ahead of it, which only the interactive load lets go.
-    A full line sheds it.
+    Where batch has no such pool, it asks nothing until its turn: a full line asking each second
+    cost the loop a thousand decisions a second, all "behind-held". A full line sheds it.
     """
     if not state.cfg.admission_control:
         return _fixed_route(state, parsed, cls)
@@ -58,19 +59,20 @@ async def admit(state: GatewayState, parsed: ParsedRequest, cls: str, deadline: 
             now = time.time()
             pause = deadline - now
             behind = turn is not None and not state.holds.first(turn) and pause > 0
-            decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
-                                  max_tokens=max_tokens, signals=state.directory.signals(), now=now,
-                                  model=parsed.model, deadline=deadline, sent_at=sent_at,
-                                  behind_held=behind or (turn is None and bool(state.holds)), n=parsed.n)
-            if decision.admitted or (decision.outcome != "wait" and not behind):
-                state.metrics.decided(cls, decision.outcome, decision.reason)
-                break
-            if turn is None:
-                turn = _join(state, parsed, cls, decision.reason)
-                if decision.reason == "behind-held":  # the load may have fallen: the first asks now
-                    state.holds.wake_first()
-            # asked again by its deadline, which says 504; behind others, only to go elsewhere
-            pause = min(decision.retry_after_s if state.holds.first(turn) else hold_retry_s, pause)
+            if not behind or ctl.has_unshared_batch_pool:  # else every answer behind others is "behind-held"
+                decision = ctl.decide(cls=cls, stream=parsed.stream, prompt_tokens=prompt_tokens,
+                                      max_tokens=max_tokens, signals=state.directory.signals(), now=now,
+                                      model=parsed.model, deadline=deadline, sent_at=sent_at,
+                                      behind_held=behind or (turn is None and bool(state.holds)), n=parsed.n)
+                if decision.admitted or (decision.outcome != "wait" and not behind):
+                    state.metrics.decided(cls, decision.outcome, decision.reason)
+                    break
+                if turn is None:
+                    turn = _join(state, parsed, cls, decision.reason)
+                    if decision.reason == "behind-held":  # the load may have fallen: the first asks now
+                        state.holds.wake_first()
+                # asked again by its deadline, which says 504; behind others, only to go elsewhere
+                pause = min(decision.retry_after_s if state.holds.first(turn) else hold_retry_s, pause)
             turn.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, pause)):

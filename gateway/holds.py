@@ -7,7 +7,7 @@ for a pool the line waits for, joins its end (``behind-held``) rather than going
 its own timer, or letting newcomers go, let a request that came later go first whenever the load
 dipped between the older ones' looks. Those behind the first look again on their own timer all
 the same, as ones behind it: only to go to a pool the line does not wait for, once their route
-leads there.
+leads there (where batch has such a pool).
 """
 
 from __future__ import annotations

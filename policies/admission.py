@@ -89,6 +89,9 @@ class AdmissionController:
         routing = cfg.routing
         interactive_may_use = set(routing.pools["interactive"]) | set(routing.interactive_spill)
         self._shared = set(routing.pools["batch"]) & interactive_may_use
+        self.has_unshared_batch_pool = bool(set(routing.pools["batch"]) - self._shared)
+        """Whether batch has a pool interactive work may not use: held requests behind others
+        can go only there (``behind_held``), so without one they have nothing to ask."""
 
     def estimate(self, pool: str) -> PoolEstimate:
         est = self.estimates.get(pool)

@@ -45,9 +45,12 @@ class Until:
     def __init__(self, retry_s: float) -> None:
         self.retry_s, self.go = retry_s, False
         self.elsewhere = {"other"}
+        self.has_unshared_batch_pool = True
         self.prompt_tokens = PromptTokens()
+        self.asked_behind = 0
 
     def decide(self, *, model: str, behind_held: bool, **_) -> Decision:
+        self.asked_behind += behind_held
         if model in self.elsewhere:
             return Decision("admit", "queued", 200, pool="bulk")
         if behind_held:
@@ -62,8 +65,8 @@ class Until:
     budget = objective
 
 
-def held_state(controller: Busy | Until, max_held: int = 1000) -> SimpleNamespace:
-    policies = policy_config.load({"objectives": {"batch": {"max_held": max_held}}})
+def held_state(controller: Busy | Until, max_held: int = 1000, hold_retry_s: float = 1.0) -> SimpleNamespace:
+    policies = policy_config.load({"objectives": {"batch": {"max_held": max_held, "hold_retry_s": hold_retry_s}}})
     return SimpleNamespace(cfg=SimpleNamespace(admission_control=True, policies=policies), admission=controller,
                            draining=False, holds=HoldLine(), metrics=GatewayMetrics(),
                            directory=SimpleNamespace(signals=dict))
@@ -192,6 +195,23 @@ async def test_a_request_behind_others_whose_route_no_longer_waits_goes_without_
     controller.go = True
     state.holds.wake_first()
     assert (await asyncio.wait_for(ahead, 10)).pool == "batch"
+
+
+async def test_requests_behind_others_ask_nothing_when_every_batch_pool_is_one_the_line_waits_for() -> None:
+    """Behind the first, a request asks again only to go to a batch pool nobody waits for: with
+    none configured, every answer was "behind-held", and each request of a full line (a thousand)
+    asked the controller each hold retry, on the loop, while interactive load was high."""
+    deadline = time.time() + 30
+    controller = Until(retry_s=30.0)
+    controller.has_unshared_batch_pool = False
+    state = held_state(controller, hold_retry_s=0.02)
+    held = [asyncio.create_task(admit(state, PARSED, "batch", deadline)) for _ in range(3)]
+    await asyncio.sleep(0.3)
+    assert len(state.holds) == 3
+    assert controller.asked_behind == 2, "once each, as it joined the line"
+    controller.go = True
+    state.holds.wake_first()
+    assert [d.pool for d in await asyncio.wait_for(asyncio.gather(*held), 10)] == ["batch"] * 3
 
 
 async def test_a_full_line_sheds_batch_with_a_retry_after() -> None:

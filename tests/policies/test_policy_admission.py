@@ -165,6 +165,14 @@ def test_batch_that_comes_while_others_are_held_waits_behind_them_for_a_shared_p
     assert d.admitted, "nothing holds back a pool interactive work does not use"
 
 
+@pytest.mark.parametrize(("batch_pools", "unshared"), [(["batch"], False), (["batch", "bulk"], True)])
+def test_a_batch_pool_nobody_waits_for_is_known_from_the_routing(batch_pools: list[str], unshared: bool) -> None:
+    """Held requests behind others ask again only when there is one: else every answer is
+    "behind-held" (the batch pool is the interactive spill)."""
+    ctl = AdmissionController(load({"routing": {"pools": {"batch": batch_pools}, "interactive_spill": ["batch"]}}))
+    assert ctl.has_unshared_batch_pool is unshared
+
+
 def test_batch_is_not_held_when_it_shares_nothing_with_interactive() -> None:
     ctl = AdmissionController(load({"routing": {"interactive_spill": []}}))
     d = ask(ctl, signals(i_running=8, i_depth=50), cls="batch")
