@@ -11,8 +11,7 @@ import re
 from dataclasses import dataclass
 
 import msgspec
-from aiohttp import web
-from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
+from aiohttp import compression_utils, web
 from redis.exceptions import NoPermissionError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -77,8 +76,10 @@ def acl_refused(refusal: str) -> str:
     return f"Redis's ACL refuses this gateway's user a command it needs ({NEEDS}): {refusal}"
 
 
-DECODED_CODINGS = ("gzip", "deflate", *(("br",) if HAS_BROTLI else ()), *(("zstd",) if HAS_ZSTD else ()))
-"""The Content-Encodings aiohttp decodes: one of these, never a list of them."""
+DECODED_CODINGS = ("gzip", "deflate", *(("br",) if compression_utils.HAS_BROTLI else ()),
+                   *(("zstd",) if getattr(compression_utils, "HAS_ZSTD", False) else ()))
+"""The Content-Encodings aiohttp decodes: one of these, never a list of them. An aiohttp before
+3.12 (the pyproject allows 3.9) knows no zstd, nor its flag."""
 
 
 def unsupported_encoding(coding: str | None) -> APIError:
