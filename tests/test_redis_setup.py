@@ -16,27 +16,20 @@ from slogate.local_redis import LocalRedis
 from slogate.protocol import Heartbeat, ModelInfo
 
 
-async def test_a_redis_that_evicts_keys_when_full_is_named_at_startup(own_redis: LocalRedis, caplog) -> None:
+@pytest.mark.parametrize(("policy", "warned"), [("allkeys-lru", True), ("volatile-ttl", True), ("noeviction", False)])
+async def test_a_redis_that_evicts_keys_when_full_is_named_at_startup(own_redis: LocalRedis, caplog, policy: str,
+                                                                      warned: bool) -> None:
     """Under an eviction policy a full Redis drops keys: a queue, a heartbeat, the gateway's alive
     key (its loss fails every request that heard nothing), or the audit trail's flush numbers (a
-    flush sent again after its reply was lost is written twice). Nothing said so."""
+    flush sent again after its reply was lost is written twice). Nothing said so. One that
+    refuses writes when full is what the gateway wants, and is not warned of."""
     client = aioredis.Redis.from_url(own_redis.url)
     await client.config_set("maxmemory", "1gb")
-    await client.config_set("maxmemory-policy", "allkeys-lru")
+    await client.config_set("maxmemory-policy", policy)
     await client.aclose()
     async with TestClient(TestServer(make_app(Config(redis_url=own_redis.url)))):
         pass
-    assert "maxmemory-policy allkeys-lru" in caplog.text and "noeviction" in caplog.text
-
-
-async def test_a_redis_that_refuses_writes_when_full_is_not_warned_of(own_redis: LocalRedis, caplog) -> None:
-    client = aioredis.Redis.from_url(own_redis.url)
-    await client.config_set("maxmemory", "1gb")
-    await client.config_set("maxmemory-policy", "noeviction")
-    await client.aclose()
-    async with TestClient(TestServer(make_app(Config(redis_url=own_redis.url)))):
-        pass
-    assert "maxmemory-policy" not in caplog.text
+    assert (f"maxmemory-policy {policy}" in caplog.text and "noeviction" in caplog.text) == warned, caplog.text
 
 
 async def test_a_gateway_whose_redis_user_may_not_run_scripts_says_so_in_its_readiness(own_redis: LocalRedis,
