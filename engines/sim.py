@@ -2,8 +2,9 @@
 
 Load tests need queueing that looks like a GPU's (prefill linear in prompt length, a decode
 step that slows as the batch grows, a batch limit, continuous batching) without paying for
-one. Output is deterministic in the prompt, so a request retried on another worker yields
-the same tokens, as greedy decoding on a real engine would.
+one. Output is deterministic in the prompt (and the ``seed``, when one is given), so a request
+retried on another worker yields the same tokens, as greedy or seeded decoding on a real engine
+would.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def count_prompt_tokens(prompt: str | None, messages: list[dict[str, Any]] | Non
     else:
         chars = len(prompt or "")
     return max(1, -(-chars // chars_per_token))
+
+
+def _text_seed(basis: str, seed: int | None) -> int:
+    """Where the made-up text starts: the prompt's, moved by the request's ``seed`` when it has
+    one, so that choices seeded apart (``n``) say different things, and a request retried with
+    its seed says the same again."""
+    start = zlib.crc32(basis.encode())
+    return start if seed is None else zlib.crc32(seed.to_bytes(8, "little", signed=True), start)
 
 
 def sim_logprob(token: str, top: int) -> TokenLogprob:
@@ -119,7 +128,7 @@ class SimEngine:
                       "serve this model with a real engine (stream or paged)"))
             return
         basis = request.prompt if request.prompt is not None else repr(request.messages)
-        self._waiting.append(_Seq(request, n, zlib.crc32(basis.encode())))
+        self._waiting.append(_Seq(request, n, _text_seed(basis, request.sampling.seed)))
 
     def abort_request(self, request_id: str) -> None:
         self._waiting = deque(s for s in self._waiting if s.req.id != request_id)

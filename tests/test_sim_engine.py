@@ -29,6 +29,16 @@ def test_output_is_deterministic_in_the_prompt() -> None:
     assert a["a"][-1].finish_reason == "length" and a["a"][-1].completion_tokens == 5
 
 
+def test_a_seed_moves_the_text_and_the_same_seed_says_it_again() -> None:
+    text = lambda outs: "".join(o.text for o in outs)  # noqa: E731
+    out = run(create(decode_base_s=0), req("none", max_tokens=8), req("s1", max_tokens=8, seed=1),
+              req("s2", max_tokens=8, seed=2), req("s1again", max_tokens=8, seed=1),
+              req("negative", max_tokens=8, seed=-(2**63)))
+    texts = {rid: text(outs) for rid, outs in out.items()}
+    assert texts["s1"] == texts["s1again"]
+    assert len({texts["none"], texts["s1"], texts["s2"], texts["negative"]}) == 4, texts
+
+
 def test_batch_limit_holds_requests_back() -> None:
     engine = create(decode_base_s=0, max_batch=2)
     for i in range(3):

@@ -1,6 +1,6 @@
 """``n`` choices: one request fanned out as ``n`` engine requests, their answers merged, through
-a real gateway, Redis and sim workers (whose text depends on the prompt alone, so every choice
-says the same). What a failed or abandoned choice does is in ``test_failures``."""
+a real gateway, Redis and sim workers (whose text depends on the prompt and the seed: without
+one every choice says the same). What a failed or abandoned choice does is in ``test_failures``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,15 @@ async def test_completions_n3_not_streamed(stack: Stack) -> None:
     assert all(len(c["text"].split()) == 4 and c["finish_reason"] == "length" for c in body_["choices"])
     assert body_["usage"]["completion_tokens"] == 12
     assert body_["usage"]["total_tokens"] == body_["usage"]["prompt_tokens"] + 12
+
+
+async def test_seeded_choices_say_different_things_and_the_same_again_with_the_same_seed(stack: Stack) -> None:
+    payload = {"model": MODEL, "prompt": "the risk of", "max_tokens": 6, "n": 3, "seed": 7, "temperature": 0.8}
+    answers = [await post(stack.url, "/v1/completions", payload) for _ in range(2)]
+    assert all(status == 200 for status, _ in answers), answers
+    first, again = ([c["text"] for c in body_["choices"]] for _, body_ in answers)
+    assert len(set(first)) == 3, first
+    assert again == first
 
 
 def by_choice(chunks: list[dict], key: str) -> dict[int, str]:
