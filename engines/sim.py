@@ -60,10 +60,12 @@ def count_prompt_tokens(prompt: str | None, messages: list[dict[str, Any]] | Non
 
 def _text_seed(basis: str, seed: int | None) -> int:
     """Where the made-up text starts: the prompt's, moved by the request's ``seed`` when it has
-    one, so that choices seeded apart (``n``) say different things, and a request retried with
-    its seed says the same again."""
+    one, so that a request retried with its seed says the same again. Moved by the seed itself,
+    not a hash of it: the text is picked by its start modulo the word list, and choices seeded
+    one apart (``n``, :func:`gateway.choices.fan_out`) then always say different things, up to
+    as many choices as there are words."""
     start = zlib.crc32(basis.encode())
-    return start if seed is None else zlib.crc32(seed.to_bytes(8, "little", signed=True), start)
+    return start if seed is None else start + seed
 
 
 def sim_logprob(token: str, top: int) -> TokenLogprob:

@@ -39,6 +39,17 @@ def test_a_seed_moves_the_text_and_the_same_seed_says_it_again() -> None:
     assert len({texts["none"], texts["s1"], texts["s2"], texts["negative"]}) == 4, texts
 
 
+def test_choices_seeded_apart_always_say_different_things() -> None:
+    """A request of ``n`` choices seeds them ``seed``, ``seed + 1``, ... (gateway.choices): the
+    text is picked by its start modulo the word list, and a start hashed from the seed
+    collided there for about one request of three choices in twelve, whose choices said the
+    same, whatever the seed promised."""
+    text = lambda outs: "".join(o.text for o in outs)  # noqa: E731
+    for seed in range(0, 300, 3):
+        out = run(create(decode_base_s=0), *(req(str(i), max_tokens=4, seed=seed + i) for i in range(3)))
+        assert len({text(outs) for outs in out.values()}) == 3, seed
+
+
 def test_batch_limit_holds_requests_back() -> None:
     engine = create(decode_base_s=0, max_batch=2)
     for i in range(3):
