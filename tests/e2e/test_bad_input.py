@@ -315,8 +315,9 @@ async def test_slow_clients_are_cut_off(redis_server) -> None:
 
 async def test_a_body_that_does_not_decompress_is_a_400(stack: Stack) -> None:
     """aiohttp decodes Content-Encoding itself: a body that is not the gzip (or br, deflate)
-    it claims is the client's mistake, a 400 naming it, not a 500 logged as the gateway's."""
-    for encoding in ("gzip", "br", "deflate"):
+    it claims is the client's mistake, a 400 naming it, not a 500 logged as the gateway's (br
+    only where aiohttp has its package; without it br is a coding the gateway does not decode)."""
+    for encoding in (c for c in ("gzip", "br", "deflate") if c in DECODED_CODINGS):
         status, resp, _ = await call(stack, CHAT, data=b"this is not compressed",
                                      headers={"Content-Type": "application/json", "Content-Encoding": encoding})
         assert status == 400, (encoding, resp)
