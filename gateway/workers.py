@@ -20,7 +20,7 @@ from functools import cached_property
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
 
-from gateway.errors import NEEDS, acl_refusal, acl_refused
+from gateway.errors import acl_refusal, acl_refused
 from policies.inflight import InFlight
 from policies.predict import PoolSignals
 from slogate import keys, protocol
@@ -146,10 +146,10 @@ class WorkerDirectory:
                 p.script_load(_FORGET_EXPIRED).evalsha(_FORGET_EXPIRED_SHA, 1, keys.WORKERS)
                 depths = (await p.execute())[:len(pools)]
         except NoPermissionError as exc:
+            refusal = acl_refusal(exc)
             if self.refused is None:
-                log.error("Redis's ACL refuses this gateway's user a command it needs (it needs %s): %s", NEEDS,
-                          acl_refusal(exc))
-            self._read_ok, self._reading_since, self.refused = False, None, acl_refusal(exc)
+                log.error("%s", acl_refused(refusal))
+            self._read_ok, self._reading_since, self.refused = False, None, refusal
             return False
         except (RedisError, OSError) as exc:
             if not self._said_down:
