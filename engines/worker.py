@@ -707,7 +707,8 @@ class Worker:
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq,
             quiet_step_s=self._quiet_step_s, ts=time.time(),
-            held=[rid[:protocol.HELD_ID_CHARS] for rid in self.inflight], ttl_s=self.s.heartbeat_ttl_s)
+            held=[rid[:protocol.HELD_ID_CHARS] for rid in self.inflight], ttl_s=self.s.heartbeat_ttl_s,
+            features=list(protocol.FEATURES))
 
     async def _watchdog_loop(self) -> None:
         """Give up an engine that holds requests and has not finished a step in

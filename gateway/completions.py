@@ -352,6 +352,25 @@ def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Call
     if parsed.max_tokens_given and parsed.sampling.max_tokens >= model.max_context:
         raise bad_request(f"{parsed.max_tokens_param} ({parsed.sampling.max_tokens}) must be below the model's "
                           f"context length ({model.max_context})", parsed.max_tokens_param, "context_length_exceeded")
+    _check_features(state, parsed)
+
+
+def _check_features(state: GatewayState, parsed: schema.ParsedRequest) -> None:
+    """A 503 for a request that needs a parameter some worker serving its model would ignore
+    (an older release, mid-upgrade): its answer would look right and not be. Any pool's worker
+    counts, since the pool is not picked yet; the refusal lasts until the last one is upgraded."""
+    needed = protocol.features_needed(parsed.sampling)
+    if not needed:
+        return
+    older = [hb for hb in state.directory.view.heartbeats
+             if any(m.id == parsed.model for m in hb.models) and not set(needed) <= set(hb.features or ())]
+    if older:
+        missing = [f for f in needed if any(f not in (hb.features or ()) for hb in older)]
+        names = ", ".join(f"{hb.pool}/{hb.worker_id}" for hb in older[:3]) + (", ..." if len(older) > 3 else "")
+        raise APIError(503, f"{' and '.join(missing)} cannot be served now: {len(older)} worker(s) serving model "
+                            f"'{parsed.model}' ({names}) run an older release that would ignore it; retry once "
+                            f"they are upgraded, or send the request without it", missing[0], "worker_outdated",
+                       retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
 
 
 def _classify(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller,

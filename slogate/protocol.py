@@ -71,6 +71,20 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return self.temperature < GREEDY_BELOW or self.seed is not None
 
 
+FEATURES = ("logprobs", "logit_bias", "response_format")
+"""The request parameters (by their OpenAI names) a worker of this release reads that the
+first releases of this protocol version did not: those ignore them, unknown fields of a
+message being skipped. A worker says which it reads in its heartbeat, so that a gateway
+refuses a request that needs one a worker serving its model would ignore."""
+
+
+def features_needed(sampling: SamplingParams) -> list[str]:
+    """The :data:`FEATURES` a request with ``sampling`` would be answered wrongly without."""
+    return [name for name, given in (("logprobs", sampling.logprobs is not None),
+                                     ("logit_bias", bool(sampling.logit_bias)),
+                                     ("response_format", sampling.json_schema is not None)) if given]
+
+
 def fit_to_context(sampling: SamplingParams, prompt_tokens: int, max_context: int) -> SamplingParams:
     """``sampling`` with a default ``max_tokens`` lowered to what the context leaves after the
     prompt (at least ``min_tokens``, or it stays, for the engine to refuse): a client that set
@@ -199,6 +213,8 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     its gateways'): a gateway that lost sight of it (Redis restarted empty) waits that long for it
     to beat again before it counts what it held as lost. 0 from a release that does not say: the
     gateway's own is assumed."""
+    features: list[str] | None = None
+    """The :data:`FEATURES` its release reads; None from a release that reads none of them."""
     v: int = VERSION
 
 
