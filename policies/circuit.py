@@ -15,7 +15,8 @@ answered is ``n`` successful probes.
 
 A probe is known by the ticket ``acquire`` gives it, which its answer brings back: requests let
 through before the breaker opened may still answer while probes are out, and taken for them
-they closed it with no probe answered.
+they closed it with no probe answered. A probe given up (no answer in ``open_s``) loses its
+ticket too: its slot went to the next probe, whose slot its late answer would free as well.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class CircuitBreaker:
     consecutive: int = 0
     probes_in_flight: int = 0
     spell: int = 0
-    """How many times it opened: a probe's ticket, which the probes of an earlier half-open
-    spell (dropped when it opened again) do not hold."""
+    """How many times it dropped its probes (it opened, or gave them up): a probe's ticket,
+    which the probes dropped earlier do not hold."""
     probe_successes: int = 0
     last_probe_at: float = 0.0
     outcomes: deque[bool] = field(init=False)
@@ -61,6 +62,7 @@ class CircuitBreaker:
         if self.probes_in_flight and now >= self.last_probe_at + self.cfg.open_s:
             # A probe whose outcome never came back (cancelled, lost) must not wedge the pool.
             self.probes_in_flight = 0
+            self.spell += 1
         return self.probes_in_flight + n <= self.cfg.half_open_probes or not self.probes_in_flight
 
     def acquire(self, now: float, n: int = 1) -> int | None:

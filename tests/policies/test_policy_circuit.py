@@ -134,3 +134,17 @@ def test_a_probe_of_an_earlier_half_open_spell_is_not_one_of_the_next() -> None:
     assert not br.ready(15.2), "the new probe is still out"
     br.record_success(15.3, probe=fresh)
     assert br.probe_successes == 1
+
+
+def test_the_late_answer_of_a_given_up_probe_frees_no_slot_for_another() -> None:
+    """Given up after ``open_s``, its slot went to the next probe; its answer coming late then
+    freed that one's slot too, and a third went out with the second still out."""
+    br = opened()
+    given_up = br.acquire(5.0)
+    assert br.ready(10.0)
+    out = br.acquire(10.0)
+    br.record_success(10.1, probe=given_up)
+    assert not br.ready(10.2), "the second probe is still out"
+    assert br.probe_successes == 0, "an ordinary answer: only the probes out count"
+    br.record_success(10.3, probe=out)
+    assert br.probe_successes == 1
