@@ -276,20 +276,34 @@ def service_time(c: Costs, prompt_tokens: float, max_tokens: float, stream: bool
         1 if stream else max_tokens)
 
 
-def slot_wait(in_flight: int, capacity: int, own_ends: Collection[float], now: float,
-              mean_service_s: float, step_s: float) -> float:
+def slot_waits(in_flight: int, capacity: int, own_ends: Collection[float], now: float,
+               mean_service_s: float, step_s: float, choices: int = 1) -> tuple[float, ...]:
     """Time until a slot is free for one more request: with ``k`` requests already in line for
     one, the ``k + 1``-th of the requests in flight to end frees it. This gateway knows when
     its own should end; other gateways' hold their share of the slots and free them at the
     pool's mean pace (with none of its own, that is ``k`` mean service times over
     ``capacity``). A request already past its predicted end was underestimated: it is taken
-    to need as long again as it is late (at least one step)."""
+    to need as long again as it is late (at least one step).
+
+    One wait for each of a request's ``choices``, the last of which ``in_flight`` counts, each
+    in line behind the one before. The own ends are read once for them all: they number in the
+    hundreds while the pool queues, and a request of many choices read them once per choice."""
+    first = in_flight - choices + 1
+    if in_flight < capacity:
+        return (0.0,) * choices
+    own = heapq.nsmallest(in_flight - capacity + 1, [max(abs(end - now), step_s) for end in own_ends])
+    return tuple(_kth_end(n, capacity, own, len(own_ends), mean_service_s) for n in range(first, in_flight + 1))
+
+
+def _kth_end(in_flight: int, capacity: int, own: list[float], own_count: int, mean_service_s: float) -> float:
+    """``slot_waits`` for ``in_flight``, given the earliest of this gateway's ``own_count``
+    requests' remaining times, in order (at least as many as it takes)."""
     ahead = in_flight - capacity
     if ahead < 0:
         return 0.0
     k = ahead + 1
-    remaining = heapq.nsmallest(k, [max(abs(end - now), step_s) for end in own_ends])
-    others = in_flight - len(own_ends)
+    remaining = own[:k]
+    others = in_flight - own_count
     if others > 0:
         spacing = mean_service_s * in_flight / (others * capacity)
         remaining += [spacing * j for j in range(1, min(others, k) + 1)]
@@ -309,15 +323,13 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
     growth = unseen_growth(in_flight, load)
     c = c._replace(decode_s_per_token=c.decode_s_per_token + growth)
     mean_service = service_time(c, est.prompt_tokens, est.completion_tokens, False)
-    wait = slot_wait(in_flight, load.capacity, own_ends, now, mean_service, c.decode_s_per_token)
-    waits = (*(slot_wait(in_flight - ahead, load.capacity, own_ends, now, mean_service, c.decode_s_per_token)
-               for ahead in range(choices - 1, 0, -1)), wait) if choices > 1 else (wait,)
+    waits = slot_waits(in_flight, load.capacity, own_ends, now, mean_service, c.decode_s_per_token, choices)
     step = load.decode_s_per_token + growth
     priced = 1.0 - step / c.decode_s_per_token if load.decode_s_per_token and c.decode_s_per_token else 0.0
     # What a prompt takes of the engine, which is what later prompts wait behind: the workers'
     # own figure (0 before they report one), not the learned one, which carries the hops: they
     # are not engine time, and no prompt queues behind them.
-    return Prediction(wait, service_time(c, prompt_tokens, max_tokens, stream),
+    return Prediction(waits[-1], service_time(c, prompt_tokens, max_tokens, stream),
                       service_time(c, prompt_tokens, max_tokens, False), mean_service,
                       max(in_flight - load.capacity, 0), prompts_ahead_s,
                       load.prefill_s_per_token * prompt_tokens / load.workers,

@@ -6,7 +6,7 @@ import pytest
 
 from policies.config import load
 from policies.inflight import InFlight
-from policies.predict import PoolEstimate, aggregate, costs, predict, service_time, slot_wait
+from policies.predict import PoolEstimate, aggregate, costs, predict, service_time, slot_waits
 from slogate.protocol import Heartbeat, ModelInfo
 
 EST_CFG = load({}).admission.estimator
@@ -132,19 +132,41 @@ def test_only_workers_that_serve_the_request_count() -> None:
 def test_slot_wait_reads_when_own_requests_end() -> None:
     long_streams = [10.0 + 0.8] * 16
     short_scores = [10.0 + 0.01 * (i + 1) for i in range(16)]
-    assert slot_wait(15, 16, long_streams[:15], now=10.0, mean_service_s=0.1, step_s=0.005) == 0.0
-    assert slot_wait(16, 16, long_streams, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx(0.8)
-    assert slot_wait(16, 16, short_scores, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx(0.01)
-    assert slot_wait(18, 16, short_scores + [10.5, 10.6], now=10.0, mean_service_s=0.1,
-                     step_s=0.005) == pytest.approx(0.03)  # third in line: the third end
+    assert slot_waits(15, 16, long_streams[:15], now=10.0, mean_service_s=0.1, step_s=0.005) == (0.0,)
+    assert slot_waits(16, 16, long_streams, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx((0.8,))
+    assert slot_waits(16, 16, short_scores, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx((0.01,))
+    assert slot_waits(18, 16, short_scores + [10.5, 10.6], now=10.0, mean_service_s=0.1,
+                      step_s=0.005) == pytest.approx((0.03,))  # third in line: the third end
     late = [9.9] * 15 + [9.999]
-    assert slot_wait(16, 16, late, now=10.0, mean_service_s=0.1, step_s=0.005) == 0.005
-    assert slot_wait(17, 16, late, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx(0.1)
+    assert slot_waits(16, 16, late, now=10.0, mean_service_s=0.1, step_s=0.005) == (0.005,)
+    assert slot_waits(17, 16, late, now=10.0, mean_service_s=0.1, step_s=0.005) == pytest.approx((0.1,))
 
 
 def test_slot_wait_without_own_requests_is_the_mean_pace() -> None:
     for k in (1, 5, 40):
-        assert slot_wait(16 + k - 1, 16, [], now=0.0, mean_service_s=0.32, step_s=0.005) == pytest.approx(k * 0.02)
+        waits = slot_waits(16 + k - 1, 16, [], now=0.0, mean_service_s=0.32, step_s=0.005)
+        assert waits == pytest.approx((k * 0.02,))
+
+
+class Scanned(list):
+    """A gateway's own slot ends that count how often they are read through."""
+
+    scans = 0
+
+    def __iter__(self):
+        self.scans += 1
+        return super().__iter__()
+
+
+def test_a_request_of_n_choices_reads_the_gateways_own_ends_once() -> None:
+    """Each choice's wait read all of the gateway's own requests in flight again: while the pool
+    queues, a request of many choices read hundreds of ends once per choice."""
+    est = PoolEstimate.prior(EST_CFG)
+    load = aggregate([hb(capacity=16, running=16)], "m", 108, est)
+    ends = Scanned(10.0 + 0.01 * (i + 1) for i in range(20))
+    p = predict(20, load, est, EST_CFG, 100, 8, False, own_ends=ends, now=10.0, choices=4)
+    assert ends.scans == 1
+    assert p.choice_waits_s == pytest.approx((0.02, 0.03, 0.04, 0.05))  # second to fifth in line
 
 
 def test_in_flight_tracks_each_request_until_it_ends() -> None:
