@@ -192,7 +192,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    ok, why = state.directory.ready()
+    trouble = state.redis_trouble()
+    ok, why = (False, trouble) if trouble is not None else state.directory.ready()
     if state.draining:
         ok, why = False, "shutting down"
     return web.json_response({"status": "ok" if ok else "unavailable", "reason": why},

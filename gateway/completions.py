@@ -20,7 +20,6 @@ from gateway.auth import Caller
 from gateway.errors import (
     DECODED_CODINGS,
     APIError,
-    acl_refused,
     bad_request,
     redis_unavailable,
     unsupported_encoding,
@@ -334,9 +333,7 @@ def _longest_stream_s(cfg: Config) -> int:
 
 
 def _check_model(state: GatewayState, parsed: schema.ParsedRequest, caller: Caller) -> None:
-    if not state.directory.redis_ok:
-        refused = state.directory.refused
-        why = "Redis is unreachable" if refused is None else acl_refused(refused)
+    if (why := state.redis_trouble()) is not None:
         raise APIError(503, f"{why}; the request cannot be queued", None, "redis_unavailable",
                        retry_headers(state.cfg.policies.admission.unavailable_retry_after_s))
     view = state.directory.view

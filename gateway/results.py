@@ -18,9 +18,10 @@ import uuid
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from gateway.batcher import CommandBatcher
+from gateway.errors import acl_refusal, acl_refused
 from slogate import keys, protocol
 from slogate.crypto import Sealer, SealError
 from slogate.protocol import Error, Result
@@ -35,6 +36,16 @@ dropped connection or a restart is over by then, and the requests go on where th
 ALIVE_TTL_S = 5
 """How long a gateway's ``alive`` key outlives its last renewal: the longest a crashed
 gateway's requests keep running on the workers, plus their two checks a second apart."""
+
+
+READING = "reading this gateway's reply stream"
+RENEWING = "renewing this gateway's alive key"
+TRIMMING = "trimming this gateway's reply stream"
+"""The reply reader's commands, as its log, readiness and a failed request name them."""
+
+
+def _refused(what: str, refusal: str) -> str:
+    return f"{what} failed: {acl_refused(refusal)}"
 
 
 class Quiet:
@@ -103,6 +114,11 @@ class ResultMux:
         """When the reader last found Redis gone, until a renewal once it reads again: requests
         subscribed since were queued on the Redis that came back, or failed to queue."""
         self.loss: Loss | None = None
+        self.refused: dict[str, str] = {}
+        """What Redis's ACL refused this gateway's user at each of the reader's commands' last
+        try (``READING``, ``RENEWING``, ``TRIMMING``). The fleet read uses none of them, yet one
+        refused fails every request: nothing reads its records, the workers take a gateway whose
+        ``alive`` lapsed for gone, or the stream grows for as long as the gateway runs."""
         self._subs: dict[bytes, Subscription] = {}
 
     def subscribe(self, request_id: str, keep_alive: bool = False, pool: str = "") -> Subscription:
@@ -121,17 +137,22 @@ class ResultMux:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
+                self._note(READING, exc)
                 if self._failing_since is None:
                     self._failing_since = now
                     self._broken_at = self._broken_at or now
-                    log.warning("reading results from Redis failed (requests in flight fail if it lasts %g s): %s",
-                                self.redis_grace_s, exc)
+                    if READING not in self.refused:
+                        log.warning("reading results from Redis failed (requests in flight fail if it lasts %g s): "
+                                    "%s", self.redis_grace_s, exc)
                 self._ticked_at = 0.0  # renew ``alive`` as soon as Redis is back: workers take a gap for a death
                 if now - self._failing_since >= self.redis_grace_s:
-                    self.fail_all("lost the connection to Redis", "redis_unavailable")
+                    refusal = self.refused.get(READING)
+                    self.fail_all("lost the connection to Redis" if refusal is None else _refused(READING, refusal),
+                                  "redis_unavailable")
                     self._set_at = None  # all failed: ``alive`` found gone once Redis is back loses none
                 await asyncio.sleep(0.2)
                 continue
+            self._note(READING, None)
             if self._failing_since is not None:
                 self._failing_since = None
                 await self._drop_stale_connections()
@@ -140,6 +161,23 @@ class ResultMux:
                     self._route(entry_id, fields)
                 self._last = entries[-1][0]
             self._trim()
+
+    def _note(self, what: str, exc: BaseException | None) -> None:
+        """Keep what the ACL refused ``what`` (``exc``: how its last try failed; None if it did
+        not), and log each refusal once, and once more when it is over."""
+        refusal = acl_refusal(exc) if isinstance(exc, NoPermissionError) else None
+        if refusal == self.refused.get(what):
+            return
+        if refusal is None:
+            del self.refused[what]
+            log.info("Redis's ACL allows this gateway's user %s again", what)
+        else:
+            self.refused[what] = refusal
+            log.error("%s", _refused(what, refusal))
+
+    def refusal(self) -> str | None:
+        """The first of ``refused``, as readiness and a refused request say it; None if none."""
+        return next((_refused(what, refusal) for what, refusal in self.refused.items()), None)
 
     async def _drop_stale_connections(self) -> None:
         """After an outage, the commands' idle pooled connections may all be dead (a Redis that
@@ -171,7 +209,10 @@ class ResultMux:
         Redis lost what it held, and a request that has heard nothing may be in no queue, and
         would wait for its deadline, an hour for batch. Gone later than that, it may only have
         expired, and the requests still queued are served as ever."""
-        if done.cancelled() or done.exception() is not None:
+        if done.cancelled():
+            return
+        self._note(RENEWING, done.exception())
+        if done.exception() is not None:
             return
         set_at, self._set_at = self._set_at, max(self._set_at or sent, sent)
         lost = set_at is not None and set_at < sent and time.monotonic() - set_at < ALIVE_TTL_S
@@ -184,11 +225,16 @@ class ResultMux:
 
     def _trim(self) -> None:
         """Drop what has been read, at most once a ``trim_every_s``: the stream holds only
-        records in flight, and XTRIM stays off the per-request path."""
+        records in flight, and XTRIM stays off the per-request path. Sent before anything was
+        read as well, so that a refusal of it shows from the start."""
         now = time.monotonic()
-        if now - self._trimmed_at >= self.trim_every_s and self._last != b"0-0":
+        if now - self._trimmed_at >= self.trim_every_s:
             self._trimmed_at = now
-            self.batcher.fire("XTRIM", self.key, "MINID", self._last)
+            self.batcher.call("XTRIM", self.key, "MINID", self._last).add_done_callback(self._trimmed)
+
+    def _trimmed(self, done: asyncio.Future[int]) -> None:
+        if not done.cancelled():
+            self._note(TRIMMING, done.exception())
 
     def _route(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

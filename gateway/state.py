@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.audit import AuditLog
 from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
+from gateway.errors import acl_refused
 from gateway.holds import HoldLine
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
@@ -59,6 +60,17 @@ class GatewayState:
     ``shutting_down``, whether that answer gets through or aiohttp cancels its handler at
     shutdown (a stream whose client stopped reading: its write never completes). One whose
     client leaves from now on is counted so too: it was being ended all the same."""
+
+    def redis_trouble(self) -> str | None:
+        """Why Redis can serve no request now, as readiness and a refused request say it: it is
+        unreachable, or its ACL refuses the fleet read or the reply reader a command; None if
+        neither."""
+        directory = self.directory
+        if directory.refused is not None:
+            return acl_refused(directory.refused)
+        if not directory.redis_ok:
+            return "Redis is unreachable"
+        return self.mux.refusal()
 
     def drain(self) -> None:
         """Take no new requests; the held ones learn it at once, not at their next look."""

@@ -116,3 +116,37 @@ async def test_a_gateway_refused_scripts_whose_redis_then_goes_down_says_it_is_u
             assert time.monotonic() < deadline, body
             await asyncio.sleep(0.05)
         assert body["reason"] == "Redis is unreachable", body
+
+
+@pytest.mark.parametrize(("rule", "refused"), [("-@blocking", "xread"), ("-set", "set"), ("-xtrim", "xtrim")])
+async def test_a_gateway_whose_redis_user_may_not_read_or_keep_its_reply_stream_says_so(
+        own_redis: LocalRedis, caplog, rule: str, refused: str) -> None:
+    """The reply reader's own commands (XREAD of the reply stream, the SET that renews ``alive``,
+    the XTRIM of what it read) are none of the fleet read's: a user refused one was ready, and
+    every request it queued failed three seconds later with "lost the connection to Redis", or
+    was stopped by its worker, or filled the stream for as long as the gateway ran."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", rule)
+    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
+                   waiting=0, capacity=8, prefill_s_per_token=0.01, decode_step_s=0.005)
+    await admin.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb), px=600_000)
+    await admin.sadd(keys.WORKERS, keys.heartbeat("interactive", "w1"))
+    cfg = Config(redis_url=f"redis://gw:pw@127.0.0.1:{own_redis.port}/0", pools={"interactive": PoolConfig()},
+                 worker_poll_s=0.05)
+    async with TestClient(TestServer(make_app(cfg))) as client:
+        deadline = time.monotonic() + 10
+        while (resp := await client.get("/readyz")).status == 200:
+            assert time.monotonic() < deadline, "ready, though the ACL refuses its reply reader"
+            await asyncio.sleep(0.05)
+        body = await resp.json()
+        assert "ACL" in body["reason"] and f"'{refused}' command" in body["reason"], body
+        resp = await client.post("/v1/chat/completions",
+                                 json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        error = (await resp.json())["error"]
+        assert resp.status == 503 and f"'{refused}' command" in error["message"], error
+        assert [r.getMessage() for r in caplog.records if f"'{refused}' command" in r.getMessage()], caplog.text
+        await admin.execute_command("ACL", "SETUSER", "gw", "+@all")
+        while (resp := await client.get("/readyz")).status != 200:
+            assert time.monotonic() < deadline, await resp.text()
+            await asyncio.sleep(0.05)
+    await admin.aclose()

@@ -161,3 +161,28 @@ async def test_the_reader_connection_probes_a_silent_redis_over_tcp(redis_server
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 8000
     finally:
         await reader.aclose()
+
+
+async def test_requests_in_flight_when_the_acl_refuses_the_reader_are_told_what_it_refused(own_redis) -> None:
+    """A user refused XREAD (a rule against blocking commands) failed them as if the connection
+    to Redis was lost, and the log said so too."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all")
+    url = f"redis://gw:pw@127.0.0.1:{own_redis.port}/0"
+    client = aioredis.Redis.from_url(url)
+    reader_client = aioredis.Redis.from_url(url, single_connection_client=True)
+    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, redis_grace_s=0.2)
+    sub = mux.subscribe("s")
+    reader = asyncio.create_task(mux.run())
+    try:
+        await send(admin, mux.key, Delta("a", 0))
+        assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
+        await admin.execute_command("ACL", "SETUSER", "gw", "-@blocking")
+        failed = await asyncio.wait_for(sub.records.get(), 5)
+        assert isinstance(failed, Error) and failed.status == 503 and failed.code == "redis_unavailable"
+        assert "ACL" in failed.message and "'xread' command" in failed.message, failed
+        assert "lost the connection" not in failed.message and mux.refused, failed
+    finally:
+        await cancel_and_wait([reader])
+        for c in (reader_client, client, admin):
+            await c.aclose()
