@@ -48,6 +48,11 @@ def _refused(what: str, refusal: str) -> str:
     return f"{what} failed: {acl_refused(refusal)}"
 
 
+def _entry_id(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or 0)
+
+
 class Quiet:
     """Queued in place of a record when a stream has heard nothing for ``keep_alive_s``."""
 
@@ -135,8 +140,11 @@ class ResultMux:
             self._tick()
             try:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
+                if not resp and self._last != b"0-0":
+                    await self._check_position()
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
+                self._last = b"0-0"  # Redis may come back failed over (``_check_position``): read the stream whole
                 self._note(READING, exc)
                 if self._failing_since is None:
                     self._failing_since = now
@@ -161,6 +169,21 @@ class ResultMux:
                     self._route(entry_id, fields)
                 self._last = entries[-1][0]
             self._trim()
+
+    async def _check_position(self) -> None:
+        """Called after a read found nothing. Entry ids come from the clock of the Redis that
+        writes them: after a failover to a host whose clock is behind, the new stream's entries
+        are below the last id read, and reading after that id skipped them. A stream whose
+        newest entry is below it, or that is gone (it expires when idle), is read from its
+        start; a record read twice is dropped by its offset (:class:`gateway.relay.Relay`)."""
+        newest = await self.redis.xrevrange(self.key, count=1)
+        if newest and _entry_id(newest[0][0]) >= _entry_id(self._last):
+            return
+        if newest:
+            log.warning("the reply stream's newest entry %s is older than the last one read, %s (Redis failed over "
+                        "to a host whose clock is behind?): reading it from its start", newest[0][0].decode(),
+                        self._last.decode())
+        self._last = b"0-0"
 
     def _note(self, what: str, exc: BaseException | None) -> None:
         """Keep what the ACL refused ``what`` (``exc``: how its last try failed; None if it did

@@ -186,3 +186,53 @@ async def test_requests_in_flight_when_the_acl_refuses_the_reader_are_told_what_
         await cancel_and_wait([reader])
         for c in (reader_client, client, admin):
             await c.aclose()
+
+
+async def test_a_reply_stream_replaced_by_one_of_lower_ids_is_read_from_its_start(redis_url: str) -> None:
+    """A new primary whose clock is behind writes ids below the last one read: reading after that
+    id, the reader skipped them for as long as the clocks' gap lasted, and the requests waited
+    for their deadline."""
+    client = aioredis.Redis.from_url(redis_url)
+    mux = ResultMux(aioredis.Redis.from_url(redis_url, single_connection_client=True), CommandBatcher(client),
+                    Sealer(), block_ms=50)
+    sub = mux.subscribe("s")
+    reader = asyncio.create_task(mux.run())
+    try:
+        await send(client, mux.key, Delta("a", 0))
+        assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
+        async with client.pipeline(transaction=True) as p:
+            await p.delete(mux.key).xadd(mux.key, {protocol.BATCH_FIELD: protocol.encode_batch(
+                [(b"s", protocol.encode(Delta("b", 1)))])}, id="1-1").execute()
+        assert await asyncio.wait_for(sub.records.get(), 5) == Delta("b", 1)
+    finally:
+        await cancel_and_wait([reader])
+        await mux.redis.aclose()
+        await client.aclose()
+
+
+async def test_after_a_failover_the_reader_reads_the_new_stream_from_its_start(own_redis) -> None:
+    """Entries the new primary wrote before its clock passed the last id read, then after: the
+    reader read the later ones only, and the request lost the text between."""
+    client = commands_redis(own_redis.url)
+    reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
+    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, redis_grace_s=30.0)
+    sub = mux.subscribe("s")
+    reader = asyncio.create_task(mux.run())
+    writer = aioredis.Redis.from_url(own_redis.url)
+    try:
+        await send(writer, mux.key, Delta("a", 0))
+        assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
+        own_redis.stop()
+        while mux._failing_since is None:
+            await asyncio.sleep(0.01)
+        own_redis.start()  # empty, as a replica that had not the stream yet
+        async with writer.pipeline(transaction=True) as p:
+            await p.xadd(mux.key, {protocol.BATCH_FIELD: protocol.encode_batch(
+                [(b"s", protocol.encode(Delta("b", 1)))])}, id="1-1").xadd(mux.key, {
+                    protocol.BATCH_FIELD: protocol.encode_batch([(b"s", protocol.encode(Delta("c", 2)))])}).execute()
+        got = [await asyncio.wait_for(sub.records.get(), 5) for _ in range(2)]
+        assert got == [Delta("b", 1), Delta("c", 2)]
+    finally:
+        await cancel_and_wait([reader])
+        for c in (reader_client, writer, client):
+            await c.aclose()
