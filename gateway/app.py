@@ -71,7 +71,7 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
             if traced:  # a scanner's 404s are no refused completions
                 _count_unqueued(request, err.status, err.code)
         except asyncio.CancelledError:
-            if request.app[STATE].grace_over:
+            if request.app[STATE].cutting_off:
                 _cut_off(request, started, span)
             else:
                 _client_left(request, started, span)
@@ -99,7 +99,7 @@ def _client_left(request: web.Request, started: float, span: Span | None) -> Non
 
 
 def _cut_off(request: web.Request, started: float, span: Span | None) -> None:
-    """A handler cancelled once the grace is over: the gateway ended it (``GatewayState.grace_over``)."""
+    """A handler cancelled by the shutdown: the gateway ended it (``GatewayState.cutting_off``)."""
     log.info("the grace was over before %s %s finished: ended with 503 shutting_down", request.method,
              request.path)
     _ended(request, started, span, 503, "shutting_down")
@@ -455,7 +455,6 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
     log.info("draining: %d request(s) in flight, %d held back, grace %.0fs", state.in_flight, len(state.holds),
              grace_s)
     await _grace(state, grace_s, now)
-    state.grace_over = True
     if state.in_flight:
         # Each gets its answer's end, a 503 (an error event on a stream), not a cut connection
         # a client would take for a network fault; the workers are told to stop them.
@@ -465,5 +464,6 @@ async def serve(cfg: Config, grace_s: float = 30.0, ready: asyncio.Event | None 
         end = time.monotonic() + 1.0
         while state.in_flight and time.monotonic() < end:
             await asyncio.sleep(0.02)
+    state.cutting_off = True
     await runner.cleanup()
     tracing.shutdown()

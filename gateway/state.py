@@ -55,11 +55,11 @@ class GatewayState:
     cancel_retries: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     closing: bool = False
     """Shutting down: a cancel Redis refuses is not sent again (``send_cancels_now``)."""
-    grace_over: bool = False
-    """The drain waits no more: what is still open is ended by the gateway, with a 503
-    ``shutting_down``, whether that answer gets through or aiohttp cancels its handler at
-    shutdown (a stream whose client stopped reading: its write never completes). One whose
-    client leaves from now on is counted so too: it was being ended all the same."""
+    cutting_off: bool = False
+    """Set as aiohttp's shutdown begins, after the grace and the second that follows it, in which
+    what is still open takes its 503 ``shutting_down``: a handler cancelled from now on was ended
+    by the gateway (a stream whose client stopped reading: its write never completes), and is
+    counted so. One cancelled before, in that second too, was cancelled by its client leaving."""
 
     def redis_trouble(self) -> str | None:
         """Why Redis can serve no request now, as readiness and a refused request say it: it is

@@ -276,6 +276,45 @@ async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_
     assert "the grace was over before POST /v1/chat/completions finished" in log, log
 
 
+async def test_a_client_that_leaves_in_the_second_after_the_grace_is_counted_as_leaving(
+        redis_server: LocalRedis, tmp_path: Path) -> None:
+    """Once the grace is over the gateway gives what is still open a second to take its 503: a
+    client that closed its connection then was logged and audited as ended by the gateway (503
+    ``shutting_down``), though it left as one does before the grace."""
+    redis.Redis.from_url(redis_server.url).flushdb()
+    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
+                  log_dir=tmp_path / "logs")
+    gateway = stack.gateway("--grace", "1")
+    stack.worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
+    stack.wait_models(MODEL)
+    body = json.dumps({**SCORE, "max_tokens": 7000, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    log = tmp_path / "logs" / "gateway-0.log"
+    try:
+        client.connect(("127.0.0.1", stack.port))
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"x-request-id: left-late\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await stuck(stack.port, client.getsockname()[1])
+        gateway.send_signal(signal.SIGTERM)
+        while "grace over: ending 1 request(s)" not in log.read_text():
+            assert gateway.poll() is None, "the gateway exited before its grace was over"
+            await asyncio.sleep(0.01)
+        client.close()
+        assert gateway.wait(timeout=20) == 0
+        audit = redis.Redis.from_url(redis_server.url)
+        records = [json.loads(fields[b"e"]) for _, fields in audit.xrange("slogate:audit")]
+        audit.close()
+    finally:
+        client.close()
+        stack.stop()
+    [record] = [r for r in records if r.get("request_id") == "left-late"]
+    assert record["status"] == 499, record
+    text = log.read_text()
+    assert "the client closed the connection during POST /v1/chat/completions" in text, text
+    assert "the grace was over before" not in text, text
+
+
 async def stuck(port: int, peer_port: int, timeout: float = 30.0) -> None:
     """Until the gateway's socket to the client holds as much unsent as it takes: its handler's
     writes wait for a client that reads nothing (Linux's ``/proc/net/tcp``)."""
