@@ -60,19 +60,25 @@ async def test_a_gateway_whose_redis_user_may_not_run_scripts_says_so_in_its_rea
     await admin.aclose()
 
 
-@pytest.mark.parametrize(("rule", "refused"), [("-@scripting", "eval"), ("-xadd", "xadd")])
-async def test_a_request_that_redis_refuses_the_gateways_user_says_so(own_redis: LocalRedis, rule: str,
-                                                                      refused: str) -> None:
-    """Refused at the fleet read (scripts) or at the queueing itself (XADD): the client's 503
-    said Redis was unreachable or unavailable, pointing its operator at the network."""
-    admin = aioredis.Redis.from_url(own_redis.url)
+async def served_to_user(server: LocalRedis, rule: str) -> tuple[aioredis.Redis, Config]:
+    """A client of ``server``'s default user, after it made a gateway's user ``gw`` of ``rule``
+    and a live worker serving model "m"; the gateway's config as that user."""
+    admin = aioredis.Redis.from_url(server.url)
     await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", rule)
     hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
                    waiting=0, capacity=8, prefill_s_per_token=0.01, decode_step_s=0.005)
     await admin.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb), px=600_000)
     await admin.sadd(keys.WORKERS, keys.heartbeat("interactive", "w1"))
-    cfg = Config(redis_url=f"redis://gw:pw@127.0.0.1:{own_redis.port}/0", pools={"interactive": PoolConfig()},
-                 worker_poll_s=0.05)
+    return admin, Config(redis_url=f"redis://gw:pw@127.0.0.1:{server.port}/0", pools={"interactive": PoolConfig()},
+                         worker_poll_s=0.05)
+
+
+@pytest.mark.parametrize(("rule", "refused"), [("-@scripting", "eval"), ("-xadd", "xadd")])
+async def test_a_request_that_redis_refuses_the_gateways_user_says_so(own_redis: LocalRedis, rule: str,
+                                                                      refused: str) -> None:
+    """Refused at the fleet read (scripts) or at the queueing itself (XADD): the client's 503
+    said Redis was unreachable or unavailable, pointing its operator at the network."""
+    admin, cfg = await served_to_user(own_redis, rule)
     async with TestClient(TestServer(make_app(cfg))) as client:
         resp = await client.post("/v1/chat/completions",
                                  json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
@@ -125,14 +131,7 @@ async def test_a_gateway_whose_redis_user_may_not_read_or_keep_its_reply_stream_
     the XTRIM of what it read) are none of the fleet read's: a user refused one was ready, and
     every request it queued failed three seconds later with "lost the connection to Redis", or
     was stopped by its worker, or filled the stream for as long as the gateway ran."""
-    admin = aioredis.Redis.from_url(own_redis.url)
-    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all", rule)
-    hb = Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 8192)], running=0,
-                   waiting=0, capacity=8, prefill_s_per_token=0.01, decode_step_s=0.005)
-    await admin.set(keys.heartbeat("interactive", "w1"), protocol.encode(hb), px=600_000)
-    await admin.sadd(keys.WORKERS, keys.heartbeat("interactive", "w1"))
-    cfg = Config(redis_url=f"redis://gw:pw@127.0.0.1:{own_redis.port}/0", pools={"interactive": PoolConfig()},
-                 worker_poll_s=0.05)
+    admin, cfg = await served_to_user(own_redis, rule)
     async with TestClient(TestServer(make_app(cfg))) as client:
         deadline = time.monotonic() + 10
         while (resp := await client.get("/readyz")).status == 200:

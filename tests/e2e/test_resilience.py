@@ -242,12 +242,12 @@ async def test_a_second_signal_ends_a_workers_grace_at_once(redis_server: LocalR
     assert "grace period over" not in log, log
 
 
-async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_the_grace_end(
-        redis_server: LocalRedis, tmp_path: Path) -> None:
-    """Its write never completes, so aiohttp cancels its handler at shutdown: that was logged
-    and audited as a client that left (499 ``cancelled``), though the gateway ended it."""
-    redis.Redis.from_url(redis_server.url).flushdb()
-    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
+async def stuck_stream(server: LocalRedis, tmp_path: Path, request_id: str) -> tuple[Stack, subprocess.Popen[bytes],
+                                                                                   socket.socket]:
+    """A gateway (grace 1 s) whose stream to a client that reads nothing has filled the socket's
+    buffers: its handler's write never completes."""
+    redis.Redis.from_url(server.url).flushdb()
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
                   log_dir=tmp_path / "logs")
     gateway = stack.gateway("--grace", "1")
     stack.worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
@@ -259,17 +259,35 @@ async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_
     try:
         client.connect(("127.0.0.1", stack.port))
         client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"x-request-id: stopped-reading\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                       b"x-request-id: %s\r\nContent-Length: %d\r\n\r\n" % (request_id.encode(), len(body)) + body)
         await stuck(stack.port, client.getsockname()[1])
+    except BaseException:
+        client.close()
+        stack.stop()
+        raise
+    return stack, gateway, client
+
+
+def audited(server: LocalRedis, request_id: str) -> dict:
+    audit = redis.Redis.from_url(server.url)
+    [record] = [r for _, fields in audit.xrange("slogate:audit")
+                if (r := json.loads(fields[b"e"])).get("request_id") == request_id]
+    audit.close()
+    return record
+
+
+async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_the_grace_end(
+        redis_server: LocalRedis, tmp_path: Path) -> None:
+    """Its write never completes, so aiohttp cancels its handler at shutdown: that was logged
+    and audited as a client that left (499 ``cancelled``), though the gateway ended it."""
+    stack, gateway, client = await stuck_stream(redis_server, tmp_path, "stopped-reading")
+    try:
         gateway.send_signal(signal.SIGTERM)
         assert gateway.wait(timeout=20) == 0
-        audit = redis.Redis.from_url(redis_server.url)
-        records = [json.loads(fields[b"e"]) for _, fields in audit.xrange("slogate:audit")]
-        audit.close()
+        record = audited(redis_server, "stopped-reading")
     finally:
         client.close()
         stack.stop()
-    [record] = [r for r in records if r.get("request_id") == "stopped-reading"]
     assert (record["status"], record["outcome"]) == (503, "shutting_down"), record
     log = (tmp_path / "logs" / "gateway-0.log").read_text()
     assert "the client closed the connection" not in log, log
@@ -281,34 +299,19 @@ async def test_a_client_that_leaves_in_the_second_after_the_grace_is_counted_as_
     """Once the grace is over the gateway gives what is still open a second to take its 503: a
     client that closed its connection then was logged and audited as ended by the gateway (503
     ``shutting_down``), though it left as one does before the grace."""
-    redis.Redis.from_url(redis_server.url).flushdb()
-    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_LOG_LEVEL": "INFO"},
-                  log_dir=tmp_path / "logs")
-    gateway = stack.gateway("--grace", "1")
-    stack.worker("interactive", "sim", "decode_base_s=0.001", "decode_s_per_seq=0")
-    stack.wait_models(MODEL)
-    body = json.dumps({**SCORE, "max_tokens": 7000, "stream": True, "logprobs": True, "top_logprobs": 20}).encode()
-    client = socket.socket()
-    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stack, gateway, client = await stuck_stream(redis_server, tmp_path, "left-late")
     log = tmp_path / "logs" / "gateway-0.log"
     try:
-        client.connect(("127.0.0.1", stack.port))
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"x-request-id: left-late\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        await stuck(stack.port, client.getsockname()[1])
         gateway.send_signal(signal.SIGTERM)
         while "grace over: ending 1 request(s)" not in log.read_text():
             assert gateway.poll() is None, "the gateway exited before its grace was over"
             await asyncio.sleep(0.01)
         client.close()
         assert gateway.wait(timeout=20) == 0
-        audit = redis.Redis.from_url(redis_server.url)
-        records = [json.loads(fields[b"e"]) for _, fields in audit.xrange("slogate:audit")]
-        audit.close()
+        record = audited(redis_server, "left-late")
     finally:
         client.close()
         stack.stop()
-    [record] = [r for r in records if r.get("request_id") == "left-late"]
     assert record["status"] == 499, record
     text = log.read_text()
     assert "the client closed the connection during POST /v1/chat/completions" in text, text
