@@ -7,6 +7,8 @@ the engine saw it is added and dropped in the same pass, never stepped. While a 
 engine may look for arrivals (``step(arrivals, send)``): requests that came meanwhile are added
 then, so a stream engine can serve them within the step and send their outputs before it ends;
 cancels and the stop wait for the step's end, since the step still holds what they would free.
+An add of a request whose cancel waits waits behind it: ahead of it, the engine would take it
+for a redelivery of the request it still holds, and the cancel would then drop both.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def step_until_stopped(engine: Engine, next_command: Callable[[bool], Command | 
         added = False
         try:
             while not ended and (command := next_command(False)) is not None:
-                if command[0] == "add":
+                if command[0] == "add" and ("abort", command[1].id) not in deferred:
                     held.add(command[1].id)
                     engine.add_request(command[1])
                     added = True

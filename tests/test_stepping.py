@@ -27,6 +27,9 @@ class Recorder:
         self.inbox: deque[tuple] = deque()
 
     def add_request(self, request: EngineRequest) -> None:
+        if request.id in self.live:  # as the engines take it: a redelivery of a request held here
+            self.log.append(f"add {request.id} ignored")
+            return
         self.log.append(f"add {request.id}{' in step' if self.in_step else ''}")
         self.live[request.id] = 3
 
@@ -78,6 +81,23 @@ def test_adds_reach_the_engine_during_a_step_and_cancels_and_stop_wait_for_its_e
     assert engine.log[8:] == ["step b,c"], "the stop lets what is held finish"
     steps = [r for r in reports if isinstance(r, Step)]
     assert [[o.request_id for o in s.outputs] for s in steps] == [["a", "b", "c"], ["b", "c"], ["b", "c"]]
+
+
+def test_a_request_cancelled_and_sent_again_during_a_step_is_served_again_after_it():
+    """The add reached the engine during the step, ahead of the cancel before it: the engine,
+    still holding the request, took it for a redelivery and ignored it, and the cancel then
+    dropped the request, which was never served again."""
+    engine = Recorder(during_first_step=[("abort", "a"), ("add", request("a")), ("stop",)])
+    engine.inbox.append(("add", request("a")))
+    reports: list[Report] = []
+
+    def next_command(wait: bool):
+        return engine.inbox.popleft() if engine.inbox else None
+
+    step_until_stopped(engine, next_command, reports.append)
+    assert engine.log[:6] == ["add a", "arrivals False", "arrivals False", "step a", "abort a", "add a"]
+    outputs = [o for r in reports if isinstance(r, Step) for o in r.outputs]
+    assert [o.finish_reason for o in outputs] == [None, None, None, "length"]
 
 
 class WorkerGone(Exception):
