@@ -153,7 +153,7 @@ class StreamEngine(PagedEngine):
             began = time.perf_counter()
             while arrivals():
                 self._send_refusals(send)
-                if not (newcomers := self.scheduler.cut_in()).seqs:
+                if not (newcomers := self.scheduler.cut_in(self.clock())).seqs:
                     break
                 outputs = self._pass(newcomers, 0)
                 send(outputs)

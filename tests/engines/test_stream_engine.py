@@ -424,6 +424,31 @@ def test_a_request_that_arrives_during_a_cut_in_goes_next_if_the_step_allows(mak
         assert tokens_of(outputs[rid]) == reference(loaded, loaded.encode(prompt, None), 6, min_new_tokens=6)
     assert_pool_clean(engine)
 
+def test_a_request_whose_deadline_passed_does_not_cut_in(make):
+    """Its deadline passed while it waited (here: on arrival, the engine's clock ahead):
+    a pass for it paused the streams for an answer nobody waits for, and its token went out
+    before the deadline ended it. It ends at the next step's start, as any that expired."""
+    engine = make()
+    for i in range(2):
+        engine.add_request(request(f"s{i}", PROMPTS[i], max_tokens=4, ignore_eos=True))
+    steps = [engine.step()]
+    arrived: list[str] = []
+
+    def arrivals() -> bool:
+        if arrived:
+            return False
+        arrived.append("late")
+        engine.add_request(request("late", PROMPTS[2], deadline=60, max_tokens=4))
+        engine.clock = lambda: time.time() + 120
+        return True
+
+    sent: list[list[StepOutput]] = []
+    steps.append(engine.step(arrivals, sent.append))
+    assert sent == []
+    assert [(o.request_id, o.finish_reason) for o in engine.step()][:1] == [("late", "deadline")]
+    assert "late" not in {o.request_id for o in steps[-1]}
+
+
 def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(make, loaded: LoadedModel):
     """'风' is three byte tokens: the first two show nothing. A newcomer that cuts in, or runs
     in the pass of prompts at a step's start, is not left to wait for the streams' step for
