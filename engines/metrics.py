@@ -21,6 +21,15 @@ class WorkerMetrics:
         self.waiting = Gauge("slogate_worker_requests_waiting", "Requests held by the engine, not yet running", names, registry=r).labels(*self.labels)
         self.kv_usage = Gauge("slogate_worker_kv_cache_usage_ratio", "Share of KV-cache blocks in use", names, registry=r).labels(*self.labels)
         self.prefix_hits = Gauge("slogate_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache", names, registry=r).labels(*self.labels)
+        self.decode_step = Gauge("slogate_worker_decode_step_seconds",
+                                 "Recent decode-only step time, as heartbeats report it", names,
+                                 registry=r).labels(*self.labels)
+        self.prefill_per_token = Gauge("slogate_worker_prefill_seconds_per_token",
+                                       "Recent prompt cost per token, as heartbeats report it", names,
+                                       registry=r).labels(*self.labels)
+        self.prefill_step = Gauge("slogate_worker_prefill_step_seconds",
+                                  "Recent time of a step with prompt work (stream engine)", names,
+                                  registry=r).labels(*self.labels)
         self.ttft = Histogram("slogate_worker_time_to_first_token_seconds",
                               "From taking a request off its pool's stream to its first text: the engine's share of "
                               "the gateway's slogate_time_to_first_token_seconds", names, buckets=TTFT_BUCKETS,
@@ -38,5 +47,9 @@ class WorkerMetrics:
         self.running.set(load.running)
         self.waiting.set(load.waiting)
         self.kv_usage.set(load.kv_usage)
+        self.decode_step.set(load.decode_step_s)
+        self.prefill_per_token.set(load.prefill_s_per_token)
+        if "prefill_step_s" in load.extra:
+            self.prefill_step.set(load.extra["prefill_step_s"])
         if "prefix_cache_hit_rate" in load.extra:
             self.prefix_hits.set(load.extra["prefix_cache_hit_rate"])

@@ -120,3 +120,22 @@ async def test_a_request_the_engine_ends_at_its_deadline_has_the_one_late_outcom
             for outcome in ("deadline", "deadline_exceeded")}
     assert late == {"deadline": None, "deadline_exceeded": 1.0}
     assert {s.attributes["slogate.outcome"] for s in exporter.get_finished_spans()} == {"deadline_exceeded"}
+
+
+async def test_a_workers_metrics_carry_the_step_times_its_heartbeats_report(redis_url: str) -> None:
+    """Running and waiting were there, but a decode step's and a prompt token's recent time,
+    the load signals gateways admit by, only in heartbeats: an operator could not graph why
+    admission refused."""
+    client = aioredis.Redis.from_url(redis_url)
+    worker = Worker(create(decode_base_s=0.03, decode_s_per_seq=0.001, prefill_s_per_token=0.0005), client,
+                    WorkerSettings(pool="p"))
+    try:
+        beat = worker.heartbeat()
+    finally:
+        await client.aclose()
+    labels = {"pool": "p", "worker": worker.s.worker_id, "engine": "sim"}
+    registry = worker.metrics.registry
+    assert registry.get_sample_value("slogate_worker_decode_step_seconds", labels) == beat.decode_step_s == 0.031
+    assert registry.get_sample_value("slogate_worker_prefill_seconds_per_token", labels) == 0.0005
+    worker.metrics.load(EngineLoad(running=1, waiting=0, capacity=4, extra={"prefill_step_s": 0.05}))
+    assert registry.get_sample_value("slogate_worker_prefill_step_seconds", labels) == 0.05
