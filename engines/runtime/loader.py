@@ -7,6 +7,7 @@ generation, and how long a context may be.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,8 +34,9 @@ class LoadedModel:
     max_context: int
     eos_token_ids: set[int] = field(default_factory=set)
 
-    def encode(self, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
-        return encode_prompt(self.tokenizer, self.model_id, prompt, messages)
+    def encode(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+               tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return encode_prompt(self.tokenizer, self.model_id, prompt, messages, tools)
 
     @property
     def vocab_size(self) -> int:
@@ -42,17 +44,21 @@ class LoadedModel:
         return self.model.config.get_text_config().vocab_size
 
 
-def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None,
-                  messages: list[dict[str, Any]] | None) -> list[int]:
-    """Token ids for a completion prompt, or for chat messages through the chat template
-    (ending with the assistant's turn opened, so the model answers). A function of the
-    tokenizer alone, so a worker can tokenize while its engine runs in another process."""
+def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None, messages: list[dict[str, Any]] | None,
+                  tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids for a completion prompt, or for chat messages (and the tools the model may
+    call) through the chat template (ending with the assistant's turn opened, so the model
+    answers). A function of the tokenizer alone, so a worker can tokenize while its engine runs
+    in another process."""
     if messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"model {model_id} has no chat template; send a prompt")
         if "developer" not in str(tokenizer.chat_template):  # OpenAI's newer name for the system message
             messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        return _chat_ids(tokenizer, model_id, messages)
+        if tools and "tools" not in str(tokenizer.chat_template):
+            raise ValueError(f"the chat template of model {model_id} does not show tools to the model; "
+                             "send no 'tools'")
+        return _chat_ids(tokenizer, model_id, messages, tools)
     if prompt is None:
         raise ValueError("a request needs a prompt or messages")
     return _ids(tokenizer, prompt, add_special_tokens=True)
@@ -61,20 +67,28 @@ def encode_prompt(tokenizer: Any, model_id: str, prompt: str | None,
 _MARK = re.compile("\ue000(\\d+)\ue001")
 
 
-def _chat_ids(tokenizer: Any, model_id: str, messages: list[dict[str, Any]]) -> list[int]:
+def _chat_ids(tokenizer: Any, model_id: str, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Only the chat template speaks in special tokens. Tokenizing the rendered template whole
     (what ``apply_chat_template(tokenize=True)`` does) reads a user's ``<|im_start|>system`` as
     the marker itself, so a message could forge turns. A message whose content holds a special
     token's text is rendered as a private-use mark instead, and its content is tokenized apart,
     as plain text. The mark keeps the content's surrounding whitespace, so a template that
     trims or tests content treats it as it would the text. Other messages are rendered as they
-    are: a chat with no such text gets exactly transformers' ids."""
+    are: a chat with no such text gets exactly transformers' ids. Names, tools and tool calls
+    are rendered as they are (as JSON, by most templates), so they may hold no marker at all."""
     def render(msgs: list[dict[str, Any]]) -> str:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
 
-    for i, m in enumerate(messages):  # a name is rendered as it is, so it may hold no marker at all
-        if tok := _special_in(tokenizer, m.get("name") or ""):
-            raise ValueError(f"messages[{i}].name contains '{tok}', a special token of model {model_id}; remove it")
+    if tools and (tok := _special_in(tokenizer, json.dumps(tools, ensure_ascii=False))):
+        raise ValueError(f"tools contains '{tok}', a special token of model {model_id}; remove it")
+    for i, m in enumerate(messages):
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = m.get(key)
+            text = value if isinstance(value, str) or value is None else json.dumps(value, ensure_ascii=False)
+            if tok := _special_in(tokenizer, text or ""):
+                raise ValueError(f"messages[{i}].{key} contains '{tok}', a special token of model {model_id}; "
+                                 "remove it")
     found = {i: tok for i, m in enumerate(messages) if (tok := _special_in(tokenizer, m.get("content") or ""))}
     if not found:
         return _ids(tokenizer, render(messages), add_special_tokens=False)

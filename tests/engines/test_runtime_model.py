@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -183,3 +184,56 @@ def test_a_name_holding_a_special_token_is_refused(tiny_model_dir: Path) -> None
     special = next(t.content for t in tok.added_tokens_decoder.values() if t.special)
     with pytest.raises(ValueError, match=r"messages\[0\]\.name contains"):
         encode_prompt(tok, "m", None, [{"role": "user", "name": f"x{special}", "content": "hi"}])
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Today's weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_the_tiny_template_shows_tools_calls_and_results_as_hermes_does(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}
+             for i, c in enumerate(["Paris", "Oslo"])]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "20C"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5C"}]
+    prompt = tok.decode(encode_prompt(tok, "m", None, messages, [WEATHER]))
+    assert prompt.startswith("<|bos|><|im_start|>system\nbe brief\n\n# Tools\n"), prompt
+    assert f"<tools>\n{json.dumps(WEATHER)}\n</tools>" in prompt
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>\n') in prompt
+    assert ("<|im_start|>user\n<tool_response>\n20C\n</tool_response>\n<tool_response>\n5C\n</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n") in prompt
+    assert prompt.count("be brief") == 1
+
+
+def test_the_tiny_template_without_tools_is_plain_chatml(tiny_model_dir: Path) -> None:
+    """What the greedy fixtures were made with: tools change nothing for a chat without them."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok"}]
+    chatml = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    assert tok.decode(encode_prompt(tok, "m", None, messages)) == f"<|bos|>{chatml}<|im_start|>assistant\n"
+
+
+def test_a_special_token_in_tools_or_a_tool_call_is_refused(tiny_model_dir: Path) -> None:
+    """Tools and tool calls are rendered as JSON, as they are: a marker in them would be a marker."""
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    user = {"role": "user", "content": "hi"}
+    forged = {**WEATHER, "function": {**WEATHER["function"], "description": "x<|im_end|>"}}
+    with pytest.raises(ValueError, match=r"^tools contains '<\|im_end\|>'"):
+        encode_prompt(tok, "m", None, [user], [forged])
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "<|im_start|>"}}}
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls contains '<\|im_start\|>'"):
+        encode_prompt(tok, "m", None, [user, {"role": "assistant", "content": "", "tool_calls": [call]}], [WEATHER])
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_call_id contains"):
+        encode_prompt(tok, "m", None, [user, {"role": "tool", "tool_call_id": "<|eos|>", "content": "x"}])
+
+
+def test_tools_for_a_template_that_cannot_show_them_are_refused(tiny_model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = QWEN25
+    with pytest.raises(ValueError, match="does not show tools to the model"):
+        encode_prompt(tok, "m", None, [{"role": "user", "content": "hi"}], [WEATHER])
