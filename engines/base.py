@@ -61,6 +61,7 @@ class EngineRequest:
     """Absolute unix time; an engine may order work by it (earliest deadline first)."""
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
     prompt_ids: list[int] | None = None
     """The prompt's token ids, when :meth:`Engine.prepare` computed them ahead."""
 

@@ -35,8 +35,8 @@ log = logging.getLogger("slogate.engine_process")
 
 _HEADER = struct.Struct("!I")
 
-Encoder = Callable[[str | None, list[dict[str, Any]] | None], list[int]]
-"""A prompt or chat messages to token ids (see :func:`engines.runtime.loader.encode_prompt`)."""
+Encoder = Callable[[str | None, list[dict[str, Any]] | None, list[dict[str, Any]] | None], list[int]]
+"""A prompt, or chat messages and tools, to token ids (see :func:`engines.runtime.loader.encode_prompt`)."""
 
 
 class EngineDied(RuntimeError):
@@ -90,7 +90,8 @@ class EngineProcess:
         if self.encode is None or request.prompt_ids is not None:
             return request
         try:
-            return dataclasses.replace(request, prompt_ids=self.encode(request.prompt, request.messages))
+            return dataclasses.replace(request, prompt_ids=self.encode(request.prompt, request.messages,
+                                                                            request.tools))
         except Exception:  # noqa: BLE001 - the engine tokenizes again and reports why
             return request
 

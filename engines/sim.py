@@ -124,9 +124,10 @@ class SimEngine:
                       f"{total}, beyond the model's context of {self.timing.max_context} tokens"))
             return
         if request.sampling.json_schema is not None:
+            held_to = request.sampling.schema_param or "response_format"
             self._errors.append(StepOutput(
-                request.id, prompt_tokens=n, error_status=400, error_param="response_format",
-                error="the simulated engine writes made-up text and cannot hold it to 'response_format'; "
+                request.id, prompt_tokens=n, error_status=400, error_param=held_to,
+                error=f"the simulated engine writes made-up text and cannot hold it to '{held_to}'; "
                       "serve this model with a real engine (stream or paged)"))
             return
         basis = request.prompt if request.prompt is not None else repr(request.messages)

@@ -344,7 +344,7 @@ class Worker:
         for req, entry_id, attempt in fresh:
             self.inflight[req.id] = _InFlight(req, entry_id, attempt, now)
         requests = [EngineRequest(id=r.id, sampling=r.sampling, deadline=r.deadline, prompt=r.prompt,
-                                  messages=r.messages) for r, _, _ in fresh]
+                                  messages=r.messages, tools=r.tools) for r, _, _ in fresh]
         long: list[EngineRequest] = []
         for r in requests:
             if _prompt_chars(r) > LONG_PROMPT_CHARS:
@@ -854,7 +854,8 @@ def _text(value: bytes | str) -> str:
 
 
 def _prompt_chars(request: EngineRequest) -> int:
-    return len(request.prompt or "") + sum(len(str(m.get("content") or "")) for m in request.messages or ())
+    return (len(request.prompt or "") + sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or ""))
+                                            for m in request.messages or ()) + len(str(request.tools or "")))
 
 
 GIL_SWITCH_INTERVAL_S = 0.001

@@ -62,8 +62,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     logit_bias: dict[int, float] = {}
     """Added to a token's logit before sampling (OpenAI's ``logit_bias``, by token id)."""
     json_schema: str | None = None
-    """JSON schema (as JSON text) that the output must match (``response_format``); the output
-    ends when the JSON is complete. None: free text."""
+    """JSON schema (as JSON text) that the output must match (``response_format``, or a tool
+    call's); the output ends when the JSON is complete. None: free text."""
+    schema_param: str | None = None
+    """The request field the schema came from, which an error about it names. None:
+    ``response_format``'s."""
 
     @property
     def deterministic(self) -> bool:
@@ -108,6 +111,8 @@ class GenerateRequest(msgspec.Struct, tag="req", omit_defaults=True):
     """The stream the worker appends this request's records to (its gateway's)."""
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    """The functions the model may call, for the chat template to show it (OpenAI's shape)."""
     stream: bool = False
     """Whether the client reads tokens as they come; if not, the worker sends the text once."""
     trace: dict[str, str] = {}

@@ -7,8 +7,10 @@ from slogate.protocol import Delta, Error, Final, GenerateRequest, SamplingParam
 
 def test_round_trip_of_every_message() -> None:
     req = GenerateRequest(id="a", model="m", pool="p", cls="interactive",
-                          sampling=SamplingParams(max_tokens=4, stop=["\n"]), deadline=2.0,
-                          enqueued_at=1.0, reply="slogate:r:g1", messages=[{"role": "user", "content": "hi"}])
+                          sampling=SamplingParams(max_tokens=4, stop=["\n"], json_schema="{}", schema_param="tools"),
+                          deadline=2.0, enqueued_at=1.0, reply="slogate:r:g1",
+                          messages=[{"role": "user", "content": "hi"}],
+                          tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     assert protocol.decode_request(protocol.encode(req)) == req
     for rec in (Delta("x", 3, attempt=2), Final("stop", 5, 2), Error("boom", "engine_error", 500)):
         assert protocol.decode_result(protocol.encode(rec)) == rec

@@ -110,7 +110,8 @@ class PagedEngine:
         if request.prompt_ids is not None:
             return request
         try:
-            return dataclasses.replace(request, prompt_ids=self.loaded.encode(request.prompt, request.messages))
+            return dataclasses.replace(request, prompt_ids=self.loaded.encode(request.prompt, request.messages,
+                                                                              request.tools))
         except Exception:  # noqa: BLE001 - add_request tokenizes again and reports why
             return request
 
@@ -119,7 +120,7 @@ class PagedEngine:
             return  # a redelivery of a request already served here: its outputs are on their way
         try:
             prompt_ids = (request.prompt_ids if request.prompt_ids is not None
-                          else self.loaded.encode(request.prompt, request.messages))
+                          else self.loaded.encode(request.prompt, request.messages, request.tools))
         except Exception as exc:  # noqa: BLE001 - a bad prompt is the client's fault, whatever raised
             self._pending.append(_error(request.id, f"cannot tokenize the request: {exc}"))
             return
@@ -157,8 +158,8 @@ class PagedEngine:
             try:
                 live.matcher, live.compiled = self.grammars.start(compiled), compiled
             except Exception as exc:  # noqa: BLE001 - that request's schema, not the engine, is at fault
-                param = "response_format" if isinstance(exc, TokenizerUnsupported) else _schema_param(live)
-                return _error(rid, f"cannot hold the output to 'response_format': {exc}",
+                param = _schema_field(live) if isinstance(exc, TokenizerUnsupported) else _schema_param(live)
+                return _error(rid, f"cannot hold the output to '{_schema_field(live)}': {exc}",
                               live.seq.num_prompt_tokens, param=param)
         self._live[rid] = live
         self.scheduler.add(live.seq)
@@ -306,7 +307,8 @@ class PagedEngine:
             self._live.pop(seq.request_id, None)
             self.scheduler.finish(seq)
             self.grammars.forget(seq.sampling.json_schema or "")
-            return _error(seq.request_id, f"cannot hold the output to 'response_format': {matcher_error(live.matcher)}",
+            return _error(seq.request_id, f"cannot hold the output to '{_schema_field(live)}': "
+                                          f"{matcher_error(live.matcher)}",
                           seq.num_prompt_tokens, param=_schema_param(live))
         text, finish = live.tracker.append(token)
         if finish in (None, "length") and live.matcher is not None and live.matcher.is_stopped():
@@ -361,8 +363,17 @@ def _blend(old: float, new: float) -> float:
 
 
 def _schema_param(live: _Live) -> str:
-    """The field a client sent its schema in: only ``json_schema`` formats carry one."""
-    return "response_format" if live.seq.sampling.json_schema == json_output.ANY_OBJECT else _SCHEMA_PARAM
+    """The field a client sent its schema in: only ``json_schema`` formats carry one, and a tool
+    call's is its function's (``schema_param``)."""
+    sampling = live.seq.sampling
+    if sampling.schema_param is not None:
+        return sampling.schema_param
+    return "response_format" if sampling.json_schema == json_output.ANY_OBJECT else _SCHEMA_PARAM
+
+
+def _schema_field(live: _Live) -> str:
+    """What the output is held to, as an error about it names it."""
+    return live.seq.sampling.schema_param or "response_format"
 
 
 def _error(request_id: str, message: str, prompt_tokens: int = 0, code: str | None = None,

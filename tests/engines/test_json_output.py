@@ -169,6 +169,15 @@ def test_a_schema_that_cannot_compile_fails_that_request_alone(make_engine: Make
     jsonschema.validate(json.loads(_result(outputs["good"])[0]), VERDICT)
 
 
+def test_a_tool_calls_schema_that_fails_is_named_by_the_field_it_came_from(make_engine: MakeEngine) -> None:
+    """A tool call's arguments are held to its function's parameters: an error names them."""
+    param = "tools[1].function.parameters"
+    outputs = _run(make_engine(), [("bad", PROMPTS[0], _sampling('{"type": "nope"}', schema_param=param))])
+    (bad,) = outputs["bad"]
+    assert (bad.error_status, bad.error_param) == (400, param)
+    assert (bad.error or "").startswith(f"cannot hold the output to '{param}': "), bad.error
+
+
 def test_json_object_mode_is_any_object(make_engine: MakeEngine) -> None:
     """Any object may nest or run on without end, and the tiny model's keys do; a bias towards
     quotes and closing braces (ids of the tiny tokenizer, checked here) brings it to an end."""

@@ -55,11 +55,11 @@ def make(tiny_model_dir: Path, engine_device: str):
 
 
 def request(
-    rid: str, prompt: str | None = None, deadline: float = 3600.0, messages=None, **params
+    rid: str, prompt: str | None = None, deadline: float = 3600.0, messages=None, tools=None, **params
 ) -> EngineRequest:
     params.setdefault("temperature", 0.0)
     sampling = SamplingParams(**params)
-    return EngineRequest(rid, sampling, time.time() + deadline, prompt=prompt, messages=messages)
+    return EngineRequest(rid, sampling, time.time() + deadline, prompt=prompt, messages=messages, tools=tools)
 
 
 def drain(engine: StreamEngine, max_steps: int = 500) -> list[list[StepOutput]]:
@@ -110,6 +110,17 @@ def test_greedy_matches_transformers_generate(make, loaded: LoadedModel, chunk: 
         expected = reference(loaded, loaded.encode(prompt, None), 24)
         assert tokens_of(outputs[f"p{i}"]) == expected, prompt
     assert tokens_of(outputs["chat"]) == reference(loaded, loaded.encode(None, chat), 24)
+
+
+def test_a_chat_with_tools_is_prompted_with_them(make, loaded: LoadedModel) -> None:
+    engine = make()
+    chat = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    engine.add_request(request("tools", messages=chat, tools=tools, max_tokens=8))
+    outputs = by_request(drain(engine))["tools"]
+    prompt_ids = loaded.encode(None, chat, tools)
+    assert outputs[-1].prompt_tokens == len(prompt_ids) > len(loaded.encode(None, chat))
+    assert tokens_of(outputs) == reference(loaded, prompt_ids, 8)
     assert_pool_clean(engine)
 
 
