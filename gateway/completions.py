@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError, ResponseError
 
-from gateway import choices, schema
+from gateway import choices, schema, tool_output
 from gateway import openai_shapes as shapes
 from gateway.admit import admit, retry_headers
 from gateway.auth import Caller
@@ -196,8 +196,8 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
     gen = GenerateRequest(
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=time.time(), reply=state.mux.key, prompt=parsed.prompt,
-        messages=parsed.messages, stream=parsed.stream, trace=tracing.inject(), alive=state.mux.alive,
-        request_id=request["request_id"])
+        messages=parsed.messages, tools=parsed.tools, stream=parsed.stream, trace=tracing.inject(),
+        alive=state.mux.alive, request_id=request["request_id"])
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": decision.reason}
     jobs = [_Job(state, parsed, choice, state.mux.subscribe(choice.id, parsed.stream, pool), arrived, headers,
@@ -483,9 +483,14 @@ async def _collect(jobs: list[_Job], source: Subscription | choices.Merged) -> w
             if err is not None:
                 raise err
     job = jobs[0]  # what the choices share
-    kind, logprobs = job.parsed.kind, job.gen.sampling.logprobs is not None
-    answers = [shapes.choice(kind, j.index, j.relay.text, j.outcome, j.relay.logprobs if logprobs else None)
-               for j in jobs]  # each one's outcome is its finish reason
+    kind, logprobs, use = job.parsed.kind, job.gen.sampling.logprobs is not None, job.parsed.tool_use
+    answers = []
+    for j in jobs:  # each one's outcome is its finish reason
+        text, finish, calls = j.relay.text, j.outcome, None
+        if use is not None:
+            text, calls = tool_output.message(use, text)
+            finish = tool_output.finish_reason(finish, len(calls))
+        answers.append(shapes.choice(kind, j.index, text, finish, j.relay.logprobs if logprobs else None, calls))
     body = shapes.full_response(kind, shapes.response_id(kind, job.gen.id), int(job.arrived), job.gen.model,
                                 answers, _usage(jobs))
     return web.Response(body=body, content_type="application/json", headers=job.headers)
@@ -517,6 +522,7 @@ async def _stream(request: web.Request, jobs: list[_Job], source: Subscription |
     parsed, logprobs = job.parsed, job.gen.sampling.logprobs is not None
     rid = shapes.response_id(parsed.kind, job.gen.id)
     chunks = [shapes.ChunkWriter(parsed.kind, rid, int(job.arrived), job.gen.model, j.index) for j in jobs]
+    calls = [tool_output.StreamedCalls(parsed.tool_use, c) for c in chunks] if parsed.tool_use else None
     out: list[bytes] = []
 
     async def start() -> web.StreamResponse:
@@ -550,13 +556,20 @@ async def _stream(request: web.Request, jobs: list[_Job], source: Subscription |
                 elif isinstance(rec, Delta):
                     resp = resp or await start()
                     use = _usage(jobs) if parsed.continuous_usage else None
-                    out.append(chunks[choice.index].text(text, use, choice.relay.fresh if logprobs else None))
+                    fresh = choice.relay.fresh if logprobs else None
+                    if calls is not None:
+                        out.extend(calls[choice.index].text(text, use, fresh))
+                    else:
+                        out.append(chunks[choice.index].text(text, use, fresh))
                 else:
                     err = _final_error(choice, rec)
                     if err is not None:
                         raise err
                     resp = resp or await start()
-                    out.append(chunks[choice.index].finish(rec.finish_reason))
+                    if calls is not None:
+                        out.extend(calls[choice.index].finish(rec.finish_reason))
+                    else:
+                        out.append(chunks[choice.index].finish(rec.finish_reason))
         if parsed.include_usage:
             out.append(chunks[0].usage(_usage(jobs)))
     except APIError as err:

@@ -96,11 +96,13 @@ def _top(token: str, entry: TokenLogprob) -> dict[str, float]:
     return top
 
 
-def choice(kind: str, index: int, text: str, finish_reason: str,
-           logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-    """One of a response's choices; ``logprobs``: None when the request did not ask for them."""
+def choice(kind: str, index: int, text: str | None, finish_reason: str,
+           logprobs: list[TokenLogprob] | None = None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One of a response's choices; ``logprobs``: None when the request did not ask for them;
+    ``calls``: a chat answer's tool calls, if any (its content then None where it is only them)."""
     if kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": text},
+        message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+        return {"index": index, "message": message,
                 "logprobs": None if logprobs is None else chat_logprobs(logprobs), "finish_reason": finish_reason}
     return {"index": index, "text": text, "logprobs": None if logprobs is None else completion_logprobs(logprobs),
             "finish_reason": finish_reason}
@@ -132,17 +134,25 @@ class ChunkWriter:
 
     def text(self, text: str, use: dict[str, int] | None = None, logprobs: list[TokenLogprob] | None = None) -> bytes:
         """``logprobs``: the chunk's tokens', or None when the request did not ask for them."""
-        extra = {} if use is None else {"usage": use}
         if self.kind == "chat":
-            return self._frame([{"index": self.index, "delta": {"content": text},
-                                 "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                                 "finish_reason": None}], **extra)
+            return self.delta({"content": text}, use, logprobs)
+        extra = {} if use is None else {"usage": use}
         shown = None if logprobs is None else completion_logprobs(logprobs, self.offsets)
         return self._frame([{"index": self.index, "text": text, "logprobs": shown, "finish_reason": None}], **extra)
 
-    def finish(self, finish_reason: str) -> bytes:
+    def delta(self, delta: dict[str, Any], use: dict[str, int] | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """A chat chunk of ``delta``: content, or a tool call's start or more of its arguments."""
+        return self._frame([{"index": self.index, "delta": delta,
+                             "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                             "finish_reason": None}], **({} if use is None else {"usage": use}))
+
+    def finish(self, finish_reason: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
+        """``logprobs``: of tokens no chunk has carried yet (held back as a tool call's text)."""
         if self.kind == "chat":
-            return self._frame([{"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
+            return self._frame([{"index": self.index, "delta": {},
+                                 "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                                 "finish_reason": finish_reason}])
         return self._frame([{"index": self.index, "text": "", "logprobs": None, "finish_reason": finish_reason}])
 
     def usage(self, use: dict[str, int]) -> bytes:

@@ -71,6 +71,8 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
         "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": num}},
         "text_offset": nums})
     choice = {"index": _INT, "finish_reason": _nullable(_STR)}
+    tool_call = _obj({"id": _STR, "type": {"const": "function"},
+                      "function": _obj({"name": _STR, "arguments": _STR})})
     return {
         "Error": _obj({"error": _obj({"message": _STR, "type": _STR, "param": _nullable(_STR),
                                       "code": _nullable(_STR)})}),
@@ -79,7 +81,8 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
             "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
             "choices": {"type": "array", "items": _obj({
                 **choice, "logprobs": _nullable(chat_logprobs),
-                "message": _obj({"role": {"const": "assistant"}, "content": _STR})})},
+                "message": _obj({"role": {"const": "assistant"}, "content": _nullable(_STR)},
+                                {"tool_calls": {"type": "array", "items": tool_call}})})},
             "usage": {"$ref": _REF.format(name="Usage")}}),
         "Completion": _obj({
             "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,

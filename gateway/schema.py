@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from gateway.errors import APIError, bad_request
+from gateway.tools import Offer, Tool, ToolCall, ToolChoice, ToolUse, called, offer
 from slogate import json_output
 from slogate.protocol import SamplingParams
 
@@ -89,15 +90,15 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: NAME | None = None
-    tool_calls: msgspec.Raw = _raw()
+    tool_calls: list[ToolCall] | None = None
     function_call: msgspec.Raw = _raw()
-    """The deprecated form of ``tool_calls``."""
+    """The deprecated form of ``tool_calls``: refused when set."""
     refusal: str | None = None
     """An earlier answer's refusal: refused when set, as it would not reach the prompt."""
     audio: msgspec.Raw = _raw()
     """An earlier answer's audio: refused when set."""
     tool_call_id: str | None = None
-    """Accepted and without effect: moot while tool calls are refused."""
+    """Which call a ``tool`` message answers; accepted and without effect on other roles."""
     reasoning_content: msgspec.Raw = _raw()
     reasoning: msgspec.Raw = _raw()
     annotations: msgspec.Raw = _raw()
@@ -152,7 +153,6 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[Int64] | None = None
     logprobs: bool | Int64 | None = None
-    tools: msgspec.Raw = _raw()
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     metadata: msgspec.Raw = _raw()
@@ -161,16 +161,17 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True):
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    """Accepted and without effect here: bookkeeping for OpenAI's platform, or (tool calls)
-    moot while tools are refused."""
+    """Accepted and without effect here: bookkeeping for OpenAI's platform, and (tool calls)
+    moot without tools."""
 
 
 class ChatBody(_Common):
     messages: list[Message] = msgspec.field(default_factory=list)
     max_completion_tokens: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | ToolChoice | None = None
     functions: msgspec.Raw = _raw()
-    """The deprecated form of ``tools``."""
-    tool_choice: msgspec.Raw = _raw()
+    """The deprecated form of ``tools``: refused when set."""
     function_call: msgspec.Raw = _raw()
     top_logprobs: Int64 | None = None
     modalities: list[str] | None = None
@@ -179,6 +180,8 @@ class ChatBody(_Common):
 
 class CompletionBody(_Common):
     prompt: str | list[Any] | None = None
+    tools: msgspec.Raw = _raw()
+    """Refused when set: a completion has no chat template to show them."""
     echo: bool | None = None
     suffix: str | None = None
     best_of: Int64 | None = None
@@ -203,11 +206,17 @@ class ParsedRequest:
     ``include_usage``)."""
     n: int = 1
     """Choices to answer with, each sampled on its own (:mod:`gateway.choices`)."""
+    tools: list[dict[str, Any]] | None = None
+    """The functions the chat template shows the model."""
+    tool_use: ToolUse | None = None
+    """How the answer is read back as tool calls; None: as text."""
+    tool_chars: int = 0
+    """The prompt's characters beside the messages' content: the tools and earlier calls, as JSON."""
 
     @property
     def prompt_chars(self) -> int:
         if self.messages is not None:
-            return sum(len(m["content"]) for m in self.messages)
+            return sum(len(m["content"]) for m in self.messages) + self.tool_chars
         return len(self.prompt or "")
 
 
@@ -295,15 +304,15 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int, m
     n = 1 if raw.n is None else raw.n
     if not 1 <= n <= max_n:
         raise bad_request(f"'n' must be from 1 to {max_n} (choices to answer with), got {n}", "n")
-    if _given(raw.tools):
-        raise bad_request("tool calling is not supported by this gateway", "tools", "unsupported_value")
+    tools: Offer | None = None
+    if isinstance(raw, CompletionBody) and _given(raw.tools):
+        raise bad_request("tools are for chat completions (/v1/chat/completions)", "tools", "unsupported_value")
     if isinstance(raw, ChatBody):
         if _given(raw.functions) or not _is_none(raw.function_call):
-            raise bad_request("function calling is not supported by this gateway",
-                              "functions" if _given(raw.functions) else "function_call", "unsupported_value")
-        if not _is_none(raw.tool_choice):
-            raise bad_request("tool_choice needs tools, and tool calling is not supported by this gateway",
-                              "tool_choice", "unsupported_value")
+            raise bad_request("'functions' and 'function_call' are the deprecated forms of 'tools' and "
+                              "'tool_choice': send those", "functions" if _given(raw.functions) else "function_call",
+                              "unsupported_value")
+        tools = offer(raw.tools, raw.tool_choice, raw.parallel_tool_calls)
         audio = bytes(raw.audio) != b"null"
         if raw.modalities not in (None, ["text"]) or audio:
             raise bad_request("only text output is supported by this gateway",
@@ -340,8 +349,17 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int, m
                           f"to {2**31 - 1}", "stop_token_ids")
 
     json_schema = _json_schema(raw.response_format)
+    schema_param = None
+    if tools is not None and tools.use is not None:
+        if json_schema is not None:
+            raise bad_request("a JSON 'response_format' cannot be combined with 'tools' unless 'tool_choice' is "
+                              "'none': the answer would be tool calls or that JSON, not both", "response_format",
+                              "unsupported_value")
+        json_schema, schema_param = tools.schema, tools.schema_param
     if json_schema is not None and (stops or stop_ids):
-        raise bad_request("'stop' and 'stop_token_ids' cannot be combined with a JSON 'response_format': they would "
+        held_to = ("a JSON 'response_format'" if schema_param is None
+                   else "'tool_choice' 'required' or a named function")
+        raise bad_request(f"'stop' and 'stop_token_ids' cannot be combined with {held_to}: they would "
                           "cut the JSON short; it ends by itself when complete",
                           "stop" if stops else "stop_token_ids", "unsupported_value")
     sampling = SamplingParams(
@@ -350,7 +368,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int, m
         top_k=max(raw.top_k or 0, 0), seed=raw.seed, stop=stops, stop_token_ids=stop_ids,
         ignore_eos=bool(raw.ignore_eos), min_tokens=min_tokens, presence_penalty=presence,
         frequency_penalty=frequency, logprobs=_logprobs(raw), logit_bias=_logit_bias(raw.logit_bias),
-        json_schema=json_schema)
+        json_schema=json_schema, schema_param=schema_param)
     parsed = ParsedRequest(
         kind="chat" if isinstance(raw, ChatBody) else "completion", model=raw.model,
         stream=bool(raw.stream), include_usage=bool(raw.stream_options and raw.stream_options.include_usage),
@@ -359,6 +377,9 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int, m
                               and raw.stream_options.continuous_usage_stats), n=n)
     if isinstance(raw, ChatBody):
         parsed.messages = _messages(raw.messages)
+        if tools is not None:
+            parsed.tools, parsed.tool_use = tools.tools, tools.use
+        parsed.tool_chars = _tool_chars(parsed)
     else:
         parsed.prompt = _prompt(raw, n)
     return parsed
@@ -442,6 +463,7 @@ async def check_json_schema(parsed: ParsedRequest) -> None:
     recursion): a 64 KB schema can take 0.2 s, which on the event loop would stall every stream
     this gateway serves. Apps send the same few schemas, so each verdict is kept, by digest."""
     text = parsed.sampling.json_schema
+    param = parsed.sampling.schema_param or "response_format.json_schema.schema"
     if text is None or text == json_output.ANY_OBJECT:
         return
     key = json_output.digest(text)
@@ -454,8 +476,7 @@ async def check_json_schema(parsed: ParsedRequest) -> None:
         if len(_checked) > _CHECKED_MAX:
             _checked.popitem(last=False)
     if error is not None:
-        raise bad_request(f"'response_format.json_schema.schema' is not a schema output can be held to: {error}",
-                          "response_format.json_schema.schema")
+        raise bad_request(f"'{param}' is not a schema output can be held to: {error}", param)
 
 
 def _ranged(value: float | None, name: str, lo: float, hi: float, default: float) -> float:
@@ -470,11 +491,26 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("'messages' must hold at least one message", "messages", "missing_required_parameter")
     out = []
+    call_ids: set[str] = set()
     for i, m in enumerate(messages):
-        for field, raw in (("tool_calls", m.tool_calls), ("function_call", m.function_call)):
-            if _given(raw):
-                raise bad_request("tool calling is not supported by this gateway", f"messages[{i}].{field}",
-                                  "unsupported_value")
+        if _given(m.function_call):
+            raise bad_request("'function_call' is the deprecated form of 'tool_calls': send that",
+                              f"messages[{i}].function_call", "unsupported_value")
+        extra: dict[str, Any] = {} if m.name is None else {"name": m.name}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"only an assistant message may hold 'tool_calls', not a {m.role} message",
+                                  f"messages[{i}].tool_calls")
+            extra["tool_calls"] = called(f"messages[{i}].tool_calls", m.tool_calls)
+            call_ids.update(c["id"] for c in extra["tool_calls"])
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request("a tool message needs 'tool_call_id', the id of the call it answers",
+                                  f"messages[{i}].tool_call_id", "missing_required_parameter")
+            if m.tool_call_id not in call_ids:
+                raise bad_request(f"tool message answers call {m.tool_call_id[:64]!r}, which no earlier assistant "
+                                  "message's 'tool_calls' made", f"messages[{i}].tool_call_id")
+            extra["tool_call_id"] = m.tool_call_id
         if m.refusal:
             raise bad_request("a refusal in an earlier answer is not supported by this gateway; send its text as "
                               "'content'", f"messages[{i}].refusal", "unsupported_value")
@@ -497,8 +533,15 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
             content = "".join(texts)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content, **({"name": m.name} if m.name is not None else {})})
+        out.append({"role": m.role, "content": content, **extra})
     return out
+
+
+def _tool_chars(parsed: ParsedRequest) -> int:
+    """What the chat template adds for tools and earlier calls, as its JSON's length: the
+    prompt's size beside the messages' content, which a prompt's tokens are estimated from."""
+    calls = [m["tool_calls"] for m in parsed.messages or () if "tool_calls" in m]
+    return sum(len(msgspec.json.encode(part)) for part in (parsed.tools, calls) if part)
 
 
 def _prompt(raw: CompletionBody, n: int) -> str:

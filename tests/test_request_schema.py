@@ -10,9 +10,10 @@ import msgspec
 import openai.types.chat as sdk
 import pytest
 from openai.types.chat.chat_completion_content_part_param import File
+from openai.types.shared_params import FunctionDefinition
 from openai.types.shared_params.response_format_json_schema import JSONSchema
 
-from gateway import schema
+from gateway import schema, tools
 from gateway.errors import APIError
 from gateway.schema import parse
 
@@ -40,7 +41,7 @@ def test_an_ignored_or_refused_field_costs_no_more_than_its_bytes(head: str, tai
 
 
 @pytest.mark.parametrize("field,value,refused", [
-    ("tools", "[]", False), ("tools", "null", False), ("tools", " [ ] ", False), ("tools", '[{"type": "x"}]', True),
+    ("tools", "[]", False), ("tools", "null", False), ("tools", " [ ] ", False),
     ("tool_choice", '"none"', False), ("tool_choice", '"auto"', True), ("tool_choice", '{"type": "function"}', True),
     ("function_call", '"none"', False), ("functions", "[]", False), ("functions", "[{}]", True),
     ("audio", "null", False), ("audio", "{}", True), ("metadata", '{"a": [1, {"b": 2}]}', False),
@@ -113,6 +114,11 @@ def _fields(struct: type) -> set[str]:
     (sdk.ChatCompletionContentPartInputAudioParam, schema.ContentPart), (File, schema.ContentPart),
     (sdk.ChatCompletionContentPartRefusalParam, schema.ContentPart),
     (sdk.ChatCompletionStreamOptionsParam, schema.StreamOptions), (JSONSchema, schema.JsonSchemaFormat),
+    (sdk.ChatCompletionFunctionToolParam, tools.Tool), (FunctionDefinition, tools.Function),
+    (sdk.ChatCompletionNamedToolChoiceParam, tools.ToolChoice),
+    (sdk.ChatCompletionAllowedToolChoiceParam, tools.ToolChoice),
+    (sdk.ChatCompletionNamedToolChoiceCustomParam, tools.ToolChoice),
+    (sdk.ChatCompletionMessageFunctionToolCallParam, tools.ToolCall),
 ])
 def test_every_field_the_openai_sdk_sends_inside_an_object_is_known(sent: type, struct: type) -> None:
     """Known, whether it is then used, ignored or refused for what it asks: never refused as unknown."""
@@ -120,7 +126,7 @@ def test_every_field_the_openai_sdk_sends_inside_an_object_is_known(sent: type, 
 
 
 @pytest.mark.parametrize("message", [
-    '{"role": "tool", "tool_call_id": "c1", "content": "x"}',
+    '{"role": "user", "tool_call_id": "c1", "content": "x"}',
     '{"role": "assistant", "content": "x", "refusal": null, "audio": null, "tool_calls": null}',
     '{"role": "user", "content": [{"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit"}}]}',
     '{"role": "assistant", "content": "x", "reasoning_content": "hm", "reasoning": "hm", "annotations": []}',

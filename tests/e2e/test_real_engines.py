@@ -218,3 +218,99 @@ def test_prompt_beyond_context_is_400_naming_the_numbers(engines_stack) -> None:
     error = json.loads(info.value.response.text)["error"]
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "context_length_exceeded",
                                                               "prompt")
+
+
+class GetWeather(pydantic.BaseModel):
+    """A tool as an app declares it; the SDK sends its schema (strict) and parses the calls'
+    arguments into it."""
+
+    city: Literal["Paris", "Oslo", "Lima"]
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+class Now(pydantic.BaseModel):
+    zone: Literal["UTC", "CET"]
+
+
+TOOLS = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(Now)]
+ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+
+
+def _calls(chunks: list) -> dict[int, list[dict]]:
+    """Each choice's calls, as a client adds up their chunks: the first of a call carries its id
+    and name, with empty arguments, the rest more of the arguments."""
+    out: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or ():
+                calls = out.setdefault(choice.index, [])
+                if delta.id is not None:
+                    assert delta.index == len(calls) and delta.function.arguments == "" and delta.type == "function"
+                    calls.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
+                else:
+                    calls[delta.index]["arguments"] += delta.function.arguments
+    return out
+
+
+def test_a_named_function_is_called_with_arguments_that_match_its_parameters_in_both_pools(engines_stack) -> None:
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    choice = {"type": "function", "function": {"name": "GetWeather"}}
+    for cls in ("interactive", "batch"):
+        args = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=40, temperature=0,
+                    extra_headers={"x-slogate-class": cls})
+        whole = client.chat.completions.parse(**args).choices[0]
+        assert (whole.finish_reason, whole.message.content) == ("tool_calls", None), cls
+        [call] = whole.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name == "GetWeather"
+        assert isinstance(call.function.parsed_arguments, GetWeather)
+        chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+        [streamed] = _calls(chunks)[0]
+        assert (streamed["name"], streamed["arguments"]) == ("GetWeather", call.function.arguments)
+        assert chunks[-2].choices[0].finish_reason == "tool_calls"
+        assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_required_calls_one_of_the_tools_or_several_each_choice_its_own(engines_stack) -> None:
+    """Without ``parallel_tool_calls``, one call; with it, one or more, each whole call's
+    arguments matching its own function's parameters."""
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    one = client.chat.completions.parse(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=80, temperature=0)
+    [call] = one.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, {"GetWeather": GetWeather, "Now": Now}[call.function.name])
+    assert one.choices[0].finish_reason == "tool_calls"
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=200, n=2, seed=5, temperature=1, stream=True))
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
+    calls = _calls(chunks)
+    assert set(calls) == set(finished) == {0, 1}
+    assert len({c["id"] for made in calls.values() for c in made}) == sum(len(made) for made in calls.values())
+    for index, made in calls.items():  # the tiny model may go on calling until max_tokens cuts the last call
+        for c in made if finished[index] == "tool_calls" else made[:-1]:
+            {"GetWeather": GetWeather, "Now": Now}[c["name"]].model_validate_json(c["arguments"])
+
+
+def test_auto_reads_the_models_text_and_the_tools_reach_its_prompt(engines_stack) -> None:
+    """The tiny model writes no <tool_call> blocks: its text is content. A history of calls and
+    their results is accepted, and reaches the prompt too."""
+    stack, model = engines_stack
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=8, temperature=0)
+    auto = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=8, temperature=0)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason in ("stop", "length")
+    assert auto.choices[0].message.content
+    streamed = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=8,
+                                                   temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == auto.choices[0].message.content
+    call = {"id": "call_1", "type": "function", "function": {"name": "GetWeather",
+                                                             "arguments": '{"city": "Paris", "days": 3}'}}
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24C"}]
+    answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=8, temperature=0)
+    assert answer.usage.prompt_tokens > auto.usage.prompt_tokens + 20
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
