@@ -51,6 +51,9 @@ def call_id() -> str:
 
 
 class _Named:
+    """The call starts before its first text, so a client has its id and name at once; an
+    answer without text (cut at once) still has its call, with empty arguments."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.calls = 0
@@ -138,11 +141,14 @@ class _Auto:
         self._after_call = False
 
     def feed(self, text: str) -> list[Event]:
+        # a long block is searched once, not again at every token
+        searched = max(0, len(self._held) - len(CLOSE) + 1) if self._in_block else 0
         self._held += text
         out: list[Event] = []
         while True:
             if self._in_block:
-                at = self._held.find(CLOSE)
+                at = self._held.find(CLOSE, searched)
+                searched = 0
                 if at < 0:
                     return out
                 out += self._block(self._held[:at], closed=True)

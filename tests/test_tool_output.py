@@ -81,6 +81,7 @@ HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n
     ("Hello <tool_ there\n\n", "Hello <tool_ there\n\n", []),
     ("  a < b <tool_call", "  a < b <tool_call", []),
     (HERMES, "", [("get_weather", '{"city": "Paris"}')]),
+    ("\n" * 100 + HERMES, "", [("get_weather", '{"city": "Paris"}')]),
     (f"Let me look.\n{HERMES}\n{HERMES.replace('Paris', 'Oslo')}\n",
      "Let me look.", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Oslo"}')]),
     (f"{HERMES}\n\nIt is sunny.", "It is sunny.", [("get_weather", '{"city": "Paris"}')]),
