@@ -356,7 +356,7 @@ def _check_features(state: GatewayState, parsed: schema.ParsedRequest) -> None:
     """A 503 for a request that needs a parameter some worker serving its model would ignore
     (an older release, mid-upgrade): its answer would look right and not be. Any pool's worker
     counts, since the pool is not picked yet; the refusal lasts until the last one is upgraded."""
-    needed = protocol.features_needed(parsed.sampling)
+    needed = protocol.features_needed(parsed.sampling, bool(parsed.tools))
     if not needed:
         return
     older = [hb for hb in state.directory.view.heartbeats

@@ -74,18 +74,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return self.temperature < GREEDY_BELOW or self.seed is not None
 
 
-FEATURES = ("logprobs", "logit_bias", "response_format")
+FEATURES = ("logprobs", "logit_bias", "response_format", "tools")
 """The request parameters (by their OpenAI names) a worker of this release reads that the
 first releases of this protocol version did not: those ignore them, unknown fields of a
 message being skipped. A worker says which it reads in its heartbeat, so that a gateway
 refuses a request that needs one a worker serving its model would ignore."""
 
 
-def features_needed(sampling: SamplingParams) -> list[str]:
-    """The :data:`FEATURES` a request with ``sampling`` would be answered wrongly without."""
+def features_needed(sampling: SamplingParams, tools: bool = False) -> list[str]:
+    """The :data:`FEATURES` a request with ``sampling`` (and ``tools``, if it offers any) would be
+    answered wrongly without. A schema of a tool call is the tools' need, not the
+    ``response_format``'s."""
     return [name for name, given in (("logprobs", sampling.logprobs is not None),
                                      ("logit_bias", bool(sampling.logit_bias)),
-                                     ("response_format", sampling.json_schema is not None)) if given]
+                                     ("response_format", sampling.json_schema is not None and not tools),
+                                     ("tools", tools)) if given]
 
 
 def fit_to_context(sampling: SamplingParams, prompt_tokens: int, max_context: int) -> SamplingParams:

@@ -26,6 +26,7 @@ async def _beat(r: aioredis.Redis, worker_id: str, features: list[str] | None, m
     ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tools"),
 ])
 async def test_a_parameter_an_older_worker_would_ignore_is_refused_until_it_is_upgraded(
         redis_url: str, extra: dict, param: str) -> None:
