@@ -14,9 +14,14 @@ samples) would stay half-open, refusing them all, for as long as it heard no oth
 answered is ``n`` successful probes.
 
 A probe is known by the ticket ``acquire`` gives it, which its answer brings back: requests let
-through before the breaker opened may still answer while probes are out, and taken for them
-they closed it with no probe answered. A probe given up (no answer in ``open_s``) loses its
-ticket too: its slot went to the next probe, whose slot its late answer would free as well.
+through before the breaker last opened may still answer while probes are out, and taken for
+them they closed it with no probe answered. A probe given up (no answer in ``open_s``) keeps
+its ticket but not its slot, which went to the next probe: its late answer frees no slot, or
+it would free that probe's as well. It is still evidence of the pool since the breaker opened,
+and counts as such: a late success is a successful probe toward closing (the breaker judges
+whether the pool answers, not how fast: slowness is the feedback loop's business, and a missed
+deadline is no failure here), and a late failure opens the breaker again, as any failure while
+half-open does. Once the breaker opened again, a ticket from before counts for nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ class CircuitBreaker:
     probes_in_flight: int = 0
     spell: int = 0
     """How many times it dropped its probes (it opened, or gave them up): a probe's ticket,
-    which the probes dropped earlier do not hold."""
+    which holds a slot while it is the latest."""
+    opened_spell: int = 0
+    """``spell`` when it last opened: a ticket older than that is from before it opened."""
     probe_successes: int = 0
     last_probe_at: float = 0.0
     outcomes: deque[bool] = field(init=False)
@@ -90,11 +97,11 @@ class CircuitBreaker:
         if state == "open":
             return
         if state == "half_open":
-            if probe != self.spell or not self.probes_in_flight:  # no probe of this spell
+            if probe is None or probe < self.opened_spell:  # no probe since it last opened
                 return
-            probes = min(n, self.probes_in_flight)
-            self.probes_in_flight -= probes
-            self.probe_successes += probes
+            if probe == self.spell:  # not given up: its slot is still taken
+                self.probes_in_flight -= min(n, self.probes_in_flight)
+            self.probe_successes += n
             if self.probe_successes >= self.cfg.close_after:
                 self._close()
             return
@@ -120,6 +127,7 @@ class CircuitBreaker:
     def _open(self, now: float) -> None:
         self.opened_at = now
         self.spell += 1
+        self.opened_spell = self.spell
         self.probes_in_flight = 0
         self.probe_successes = 0
 

@@ -142,9 +142,42 @@ def test_the_late_answer_of_a_given_up_probe_frees_no_slot_for_another() -> None
     br = opened()
     given_up = br.acquire(5.0)
     assert br.ready(10.0)
-    out = br.acquire(10.0)
+    br.acquire(10.0)
     br.record_success(10.1, probe=given_up)
     assert not br.ready(10.2), "the second probe is still out"
-    assert br.probe_successes == 0, "an ordinary answer: only the probes out count"
-    br.record_success(10.3, probe=out)
-    assert br.probe_successes == 1
+
+
+def test_the_late_success_of_a_given_up_probe_counts_toward_closing() -> None:
+    """Late is no failure here (a 504 is none either): the pool answered since the breaker
+    opened. Ignored, the breaker needed ``close_after`` more probes, one at a time."""
+    br = opened()
+    given_up = br.acquire(5.0)
+    assert br.ready(10.0)
+    out = br.acquire(10.0)
+    br.record_success(10.1, probe=given_up)
+    assert br.state(10.1) == "half_open" and br.probe_successes == 1
+    br.record_success(10.2, probe=out)
+    assert br.state(10.2) == "closed"
+
+
+def test_the_late_failure_of_a_given_up_probe_opens_the_breaker_again() -> None:
+    br = opened()
+    br.acquire(5.0)
+    assert br.ready(10.0)
+    br.acquire(10.0)
+    br.record_failure(10.1)
+    assert br.state(10.1) == "open" and br.retry_after(10.1) == 5.0
+
+
+def test_a_given_up_probe_answering_after_the_breaker_opened_again_counts_for_nothing() -> None:
+    """Its answer is from before the new cool-down: it says nothing of the pool since."""
+    br = opened()
+    given_up = br.acquire(5.0)
+    assert br.ready(10.0)
+    br.acquire(10.0)
+    br.record_failure(10.1)
+    fresh = br.acquire(15.1)
+    br.record_success(15.2, probe=given_up)
+    assert br.probe_successes == 0 and not br.ready(15.2)
+    br.record_success(15.3, probe=fresh)
+    assert br.probe_successes == 1 and br.state(15.3) == "half_open"
