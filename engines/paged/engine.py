@@ -22,7 +22,7 @@ from engines.base import COUNT, EngineLoad, EngineRequest, Send, StepOutput
 from engines.paged.block_manager import BlockManager
 from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
-from engines.paged.sequence import Sequence
+from engines.paged.sequence import Sequence, Status
 from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.grammar import Grammars, TokenizerUnsupported, matcher_error
 from engines.runtime.loader import LoadedModel
@@ -327,14 +327,16 @@ class PagedEngine:
             logprobs=[logprob] if logprob is not None else [],
         )
 
-    def _expire(self, now: float) -> list[StepOutput]:
-        """Finish every request whose deadline passed, freeing its blocks before scheduling."""
+    def _expire(self, now: float, waiting_only: bool = False) -> list[StepOutput]:
+        """Finish every request whose deadline passed, freeing its blocks before scheduling;
+        ``waiting_only``: those no step runs (waiting, or compiling), while one is paused."""
         outputs = []
         for rid in [rid for rid, (lv, _) in self._compiling.items() if lv.seq.deadline < now]:
             live = self._abandon(rid)
             outputs.append(StepOutput(request_id=rid, finish_reason="deadline",
                                       prompt_tokens=live.seq.num_prompt_tokens))
-        for rid in [rid for rid, lv in self._live.items() if lv.seq.deadline < now]:
+        for rid in [rid for rid, lv in self._live.items()
+                    if lv.seq.deadline < now and (not waiting_only or lv.seq.status is Status.WAITING)]:
             live = self._live.pop(rid)
             self.scheduler.finish(live.seq)
             outputs.append(

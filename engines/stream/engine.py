@@ -152,8 +152,8 @@ class StreamEngine(PagedEngine):
         def pause(_layer: int) -> None:
             began = time.perf_counter()
             while arrivals():
-                self._send_refusals(send)
-                if not (newcomers := self.scheduler.cut_in(self.clock())).seqs:
+                self._send_ends(send)
+                if not (newcomers := self.scheduler.cut_in()).seqs:
                     break
                 outputs = self._pass(newcomers, 0)
                 send(outputs)
@@ -163,12 +163,15 @@ class StreamEngine(PagedEngine):
 
         return self.runner.run(sched, pause)
 
-    def _send_refusals(self, send: Send) -> None:
-        """Send the refusals of requests that arrived during the step before it goes on: the
-        step may yet fail, and a client's mistake must stay a 400, not become its failure."""
-        if self._pending:
-            refused, self._pending = self._pending, []
-            send(refused)
+    def _send_ends(self, send: Send) -> None:
+        """Send the refusals of requests that arrived during the step before it goes on (the
+        step may yet fail, and a client's mistake must stay a 400, not become its failure),
+        and end those that expired waiting before a newcomer is chosen to cut in: the most
+        urgent waiting request holds its place in the batch, and one expired held it from a
+        newcomer that fits until the next step."""
+        ended, self._pending = self._pending + self._expire(self.clock(), waiting_only=True), []
+        if ended:
+            send(ended)
 
     def _pass(self, sched: Schedule, decodes: int) -> list[StepOutput]:
         """Run ``sched`` (its first ``decodes`` rows decodes, the rest prompts) outside a step,

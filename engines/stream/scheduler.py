@@ -103,15 +103,16 @@ class LatencyScheduler(Scheduler):
         self._first_due = min(due, default=None)
         return sched
 
-    def cut_in(self, now: float = float("-inf")) -> Schedule:
+    def cut_in(self) -> Schedule:
         """Waiting requests to run alone now, while the step in progress is paused: whole
         prompts, most urgent first, up to ``short_prompt_tokens`` in all, more urgent than
         every prompt the step gives a first token. Empty once the step's passes are spent, or
-        when it had to preempt a stream for memory. None whose deadline is before ``now``:
-        the streams would pause for an answer nobody waits for (the next step ends it)."""
+        when it had to preempt a stream for memory. The engine ends those whose deadline passed
+        first: the streams would pause for an answer nobody waits for, and the most urgent one
+        waiting holds the blocks and the place it needs (:meth:`_start`) from later ones."""
         if self._cut_ins_left <= 0:
             return Schedule()
-        extra = self._whole_prompts(self._first_due, now)
+        extra = self._whole_prompts(self._first_due)
         if extra.seqs:
             self._cut_ins_left -= 1
         return extra
@@ -126,16 +127,15 @@ class LatencyScheduler(Scheduler):
                 sched.add(seq, 1)
         return sched
 
-    def _whole_prompts(self, before: tuple[float, int] | None = None, now: float = float("-inf")) -> Schedule:
+    def _whole_prompts(self, before: tuple[float, int] | None = None) -> Schedule:
         """Waiting requests started with their whole prompts, most urgent first (and more
-        urgent than ``before``, with deadlines from ``now`` on), up to ``short_prompt_tokens``
-        in all."""
+        urgent than ``before``), up to ``short_prompt_tokens`` in all."""
         sched = Schedule()
         tokens_left = min(self.policy.short_prompt_tokens, self.max_batched_tokens)
         for seq in sorted(self.waiting, key=lambda s: s.priority):
             if before is not None and seq.priority >= before:
                 break
-            if seq.deadline < now or len(seq) - seq.num_computed_tokens > tokens_left or not self._start(seq):
+            if len(seq) - seq.num_computed_tokens > tokens_left or not self._start(seq):
                 continue
             n = len(seq) - seq.num_computed_tokens  # less once the prefix cache served a part
             sched.add(seq, n)

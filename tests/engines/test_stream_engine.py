@@ -435,11 +435,9 @@ def test_a_request_that_arrives_during_a_cut_in_goes_next_if_the_step_allows(mak
         assert tokens_of(outputs[rid]) == reference(loaded, loaded.encode(prompt, None), 6, min_new_tokens=6)
     assert_pool_clean(engine)
 
-def test_a_request_whose_deadline_passed_does_not_cut_in(make):
-    """Its deadline passed while it waited (here: on arrival, the engine's clock ahead):
-    a pass for it paused the streams for an answer nobody waits for, and its token went out
-    before the deadline ended it. It ends at the next step's start, as any that expired."""
-    engine = make()
+def arrive_two_minutes_on(engine: StreamEngine, newcomers: list[EngineRequest]) -> tuple[list, list]:
+    """Steps of two streams, ``newcomers`` arriving during the second as the engine's clock
+    jumps two minutes, and the outputs the engine sent while that step was paused."""
     for i in range(2):
         engine.add_request(request(f"s{i}", PROMPTS[i], max_tokens=4, ignore_eos=True))
     steps = [engine.step()]
@@ -448,16 +446,40 @@ def test_a_request_whose_deadline_passed_does_not_cut_in(make):
     def arrivals() -> bool:
         if arrived:
             return False
-        arrived.append("late")
-        engine.add_request(request("late", PROMPTS[2], deadline=60, max_tokens=4))
+        arrived.append("all")
+        for newcomer in newcomers:
+            engine.add_request(newcomer)
         engine.clock = lambda: time.time() + 120
         return True
 
     sent: list[list[StepOutput]] = []
     steps.append(engine.step(arrivals, sent.append))
-    assert sent == []
-    assert [(o.request_id, o.finish_reason) for o in engine.step()][:1] == [("late", "deadline")]
-    assert "late" not in {o.request_id for o in steps[-1]}
+    return steps, sent
+
+
+def test_a_request_whose_deadline_passed_does_not_cut_in(make):
+    """Its deadline passed while it waited (here: on arrival, the engine's clock ahead):
+    a pass for it paused the streams for an answer nobody waits for, and its token went out
+    before the deadline ended it. It ends there and then, as any that expired."""
+    engine = make()
+    steps, sent = arrive_two_minutes_on(engine, [request("late", PROMPTS[2], deadline=60, max_tokens=4)])
+    assert [[(o.request_id, o.finish_reason) for o in outs] for outs in sent] == [[("late", "deadline")]]
+    assert "late" not in {o.request_id for o in steps[-1] + engine.step()}
+
+
+def test_a_request_that_expired_waiting_does_not_hold_up_a_newcomer_s_cut_in(make, loaded: LoadedModel):
+    """First in the queue, it was skipped but still held the batch's last place for itself,
+    so the newcomer behind it waited for the next step. It ends before a cut-in is chosen."""
+    engine = make(max_batch=3)
+    steps, sent = arrive_two_minutes_on(engine, [request("stale", PROMPTS[3], deadline=60, max_tokens=4),
+                                                 request("fresh", PROMPTS[2], max_tokens=4, ignore_eos=True)])
+    assert [[(o.request_id, o.finish_reason) for o in outs] for outs in sent] == [[("stale", "deadline")],
+                                                                                  [("fresh", None)]]
+    steps[1:1] = sent
+    steps += drain(engine)
+    outputs = by_request(steps)
+    assert tokens_of(outputs["fresh"]) == reference(loaded, loaded.encode(PROMPTS[2], None), 4, min_new_tokens=4)
+    assert_pool_clean(engine)
 
 
 def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(make, loaded: LoadedModel):
