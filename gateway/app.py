@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -71,7 +72,7 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
             if traced:  # a scanner's 404s are no refused completions
                 _count_unqueued(request, err.status, err.code)
         except asyncio.CancelledError:
-            if request.app[STATE].cutting_off:
+            if request.app[STATE].cut_off(request):
                 _cut_off(request, started, span)
             else:
                 _client_left(request, started, span)
@@ -99,7 +100,7 @@ def _client_left(request: web.Request, started: float, span: Span | None) -> Non
 
 
 def _cut_off(request: web.Request, started: float, span: Span | None) -> None:
-    """A handler cancelled by the shutdown: the gateway ended it (``GatewayState.cutting_off``)."""
+    """A handler cancelled by the shutdown: the gateway ended it (``GatewayState.cut_off``)."""
     log.info("the grace was over before %s %s finished: ended with 503 shutting_down", request.method,
              request.path)
     _ended(request, started, span, 503, "shutting_down")
@@ -359,9 +360,19 @@ def malformed_http(exc: HttpProcessingError) -> APIError:
 
 class _JsonErrorsHandler(web.RequestHandler):
     """aiohttp answers a request it cannot parse before any middleware runs, in plain text;
-    this answers it in OpenAI's shape. aiohttp has no option for it (aio-libs/aiohttp#3287)."""
+    this answers it in OpenAI's shape. aiohttp has no option for it (aio-libs/aiohttp#3287).
+    It also notes a connection its client closed (``GatewayState.cut_off``)."""
 
-    __slots__ = ()
+    __slots__ = ("closed_by_client",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.closed_by_client = False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        # The gateway's own close (``force_close``) lets go of the transport before this runs.
+        self.closed_by_client = self.transport is not None
+        super().connection_lost(exc)
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:

@@ -220,7 +220,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         err.headers = {**headers, **(err.headers or {})}
         raise
     except asyncio.CancelledError:
-        if state.cutting_off:  # the gateway's end (``GatewayState.cutting_off``), not its client's
+        if state.cut_off(request):  # the gateway's end, not its client's
             for job in jobs:
                 if not job.ended_at:
                     job.outcome, job.status = "shutting_down", 503

@@ -57,9 +57,15 @@ class GatewayState:
     """Shutting down: a cancel Redis refuses is not sent again (``send_cancels_now``)."""
     cutting_off: bool = False
     """Set as aiohttp's shutdown begins, after the grace and the second that follows it, in which
-    what is still open takes its 503 ``shutting_down``: a handler cancelled from now on was ended
-    by the gateway (a stream whose client stopped reading: its write never completes), and is
-    counted so. One cancelled before, in that second too, was cancelled by its client leaving."""
+    what is still open takes its 503 ``shutting_down``: aiohttp then waits for the open handlers
+    half a second more (``shutdown_timeout``) and cancels those still open (``cut_off``)."""
+
+    def cut_off(self, request: web.Request) -> bool:
+        """Whether the gateway ended ``request``, whose handler was cancelled, and it is counted as
+        its 503 ``shutting_down``: once ``cutting_off`` (a stream whose client stopped reading: its
+        write never completes), unless its client closed the connection first, in aiohttp's last
+        wait too. A handler cancelled before was cancelled by its client leaving (a 499)."""
+        return self.cutting_off and not getattr(request.protocol, "closed_by_client", False)
 
     def redis_trouble(self) -> str | None:
         """Why Redis can serve no request now, as readiness and a refused request say it: it is

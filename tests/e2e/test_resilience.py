@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis
 
 from slogate import keys
@@ -294,17 +295,20 @@ async def test_a_stream_whose_client_stopped_reading_is_ended_by_the_gateway_at_
     assert "the grace was over before POST /v1/chat/completions finished" in log, log
 
 
-async def test_a_client_that_leaves_in_the_second_after_the_grace_is_counted_as_leaving(
-        redis_server: LocalRedis, tmp_path: Path) -> None:
-    """Once the grace is over the gateway gives what is still open a second to take its 503: a
-    client that closed its connection then was logged and audited as ended by the gateway (503
-    ``shutting_down``), though it left as one does before the grace."""
+@pytest.mark.parametrize("leaves", ["grace_over", "not_listening"])
+async def test_a_client_that_leaves_after_the_grace_is_counted_as_leaving(
+        redis_server: LocalRedis, tmp_path: Path, leaves: str) -> None:
+    """Once the grace is over the gateway gives what is still open a second to take its 503, then
+    aiohttp's shutdown stops listening and waits half a second more for the handlers before it
+    cancels them: a client that closed its connection in either was logged and audited as ended
+    by the gateway (503 ``shutting_down``), though it left as one does before the grace."""
     stack, gateway, client = await stuck_stream(redis_server, tmp_path, "left-late")
     log = tmp_path / "logs" / "gateway-0.log"
     try:
         gateway.send_signal(signal.SIGTERM)
-        while "grace over: ending 1 request(s)" not in log.read_text():
-            assert gateway.poll() is None, "the gateway exited before its grace was over"
+        while ("grace over: ending 1 request(s)" not in log.read_text() if leaves == "grace_over"
+               else listening(stack.port)):
+            assert gateway.poll() is None, "the gateway exited before the client left"
             await asyncio.sleep(0.01)
         client.close()
         assert gateway.wait(timeout=20) == 0
@@ -326,6 +330,12 @@ async def stuck(port: int, peer_port: int, timeout: float = 30.0) -> None:
         assert time.monotonic() < end, "the stream never filled the socket's buffers"
         last = now
         await asyncio.sleep(0.5)
+
+
+def listening(port: int) -> bool:
+    """Whether a socket listens on ``port`` (``/proc/net/tcp``'s state 0A)."""
+    return any(int(fields[1].split(":")[1], 16) == port and fields[3] == "0A"
+               for fields in map(str.split, Path("/proc/net/tcp").read_text().splitlines()[1:]))
 
 
 def unsent(port: int, peer_port: int) -> int:
