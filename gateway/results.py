@@ -108,6 +108,9 @@ class ResultMux:
         self.alive = keys.alive(gateway_id)
         self._last = b"0-0"
         self._trimmed_at = 0.0
+        self._trimmed_to: bytes | None = None
+        """The id the last XTRIM sent trimmed to, so that a stream nothing was read from since is
+        trimmed no more; None before the first, and after one that failed."""
         self._ticked_at = 0.0
         self._set_at: float | None = None
         """When (monotonic) the last renewal known to have set ``alive`` was sent; None before
@@ -140,7 +143,7 @@ class ResultMux:
             self._tick()
             try:
                 resp = await self.redis.xread({self.key: self._last}, count=self.count, block=self.block_ms)
-                if not resp and self._last != b"0-0":
+                if not resp and self._last != b"0-0" and self._subs:
                     await self._check_position()
             except (RedisError, OSError) as exc:
                 now = time.monotonic()
@@ -171,11 +174,13 @@ class ResultMux:
             self._trim()
 
     async def _check_position(self) -> None:
-        """Called after a read found nothing. Entry ids come from the clock of the Redis that
-        writes them: after a failover to a host whose clock is behind, the new stream's entries
-        are below the last id read, and reading after that id skipped them. A stream whose
-        newest entry is below it, or that is gone (it expires when idle), is read from its
-        start; a record read twice is dropped by its offset (:class:`gateway.relay.Relay`)."""
+        """Called after a read found nothing while requests wait: with none, nothing can be
+        missed, and the first to come is checked for at the next empty read. Entry ids come
+        from the clock of the Redis that writes them: after a failover to a host whose clock is
+        behind, the new stream's entries are below the last id read, and reading after that id
+        skipped them. A stream whose newest entry is below it, or that is gone (it expires when
+        idle), is read from its start; a record read twice is dropped by its offset
+        (:class:`gateway.relay.Relay`)."""
         newest = await self.redis.xrevrange(self.key, count=1)
         if newest and _entry_id(newest[0][0]) >= _entry_id(self._last):
             return
@@ -247,17 +252,21 @@ class ResultMux:
             self._broken_at = None
 
     def _trim(self) -> None:
-        """Drop what has been read, at most once a ``trim_every_s``: the stream holds only
-        records in flight, and XTRIM stays off the per-request path. Sent before anything was
-        read as well, so that a refusal of it shows from the start."""
+        """Drop what has been read since the last trim, at most once a ``trim_every_s``: the
+        stream holds only records in flight, and XTRIM stays off the per-request path. Sent
+        before anything was read as well, so that a refusal of it shows from the start, and
+        again after one that failed, so that the end of a refusal shows too."""
         now = time.monotonic()
-        if now - self._trimmed_at >= self.trim_every_s:
-            self._trimmed_at = now
+        if self._last != self._trimmed_to and now - self._trimmed_at >= self.trim_every_s:
+            self._trimmed_at, self._trimmed_to = now, self._last
             self.batcher.call("XTRIM", self.key, "MINID", self._last).add_done_callback(self._trimmed)
 
     def _trimmed(self, done: asyncio.Future[int]) -> None:
-        if not done.cancelled():
-            self._note(TRIMMING, done.exception())
+        if done.cancelled():
+            return
+        self._note(TRIMMING, done.exception())
+        if done.exception() is not None:
+            self._trimmed_to = None
 
     def _route(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         try:

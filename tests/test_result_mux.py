@@ -200,14 +200,19 @@ async def test_a_reply_stream_replaced_by_one_of_lower_ids_is_read_from_its_star
     try:
         await send(client, mux.key, Delta("a", 0))
         assert await asyncio.wait_for(sub.records.get(), 5) == Delta("a", 0)
-        async with client.pipeline(transaction=True) as p:
-            await p.delete(mux.key).xadd(mux.key, {protocol.BATCH_FIELD: protocol.encode_batch(
-                [(b"s", protocol.encode(Delta("b", 1)))])}, id="1-1").execute()
+        await replace_with_lower_ids(client, mux.key, b"s", Delta("b", 1))
         assert await asyncio.wait_for(sub.records.get(), 5) == Delta("b", 1)
     finally:
         await cancel_and_wait([reader])
         await mux.redis.aclose()
         await client.aclose()
+
+
+async def replace_with_lower_ids(client: aioredis.Redis, key: str, request_id: bytes, record: Delta) -> None:
+    """The stream replaced by one whose entry ids are below any read before."""
+    async with client.pipeline(transaction=True) as p:
+        await p.delete(key).xadd(key, {protocol.BATCH_FIELD: protocol.encode_batch(
+            [(request_id, protocol.encode(record))])}, id="1-1").execute()
 
 
 async def test_after_a_failover_the_reader_reads_the_new_stream_from_its_start(own_redis) -> None:
@@ -235,4 +240,36 @@ async def test_after_a_failover_the_reader_reads_the_new_stream_from_its_start(o
     finally:
         await cancel_and_wait([reader])
         for c in (reader_client, writer, client):
+            await c.aclose()
+
+
+async def test_an_idle_reader_neither_trims_nor_checks_its_position(own_redis) -> None:
+    """With nothing read since its last trim and no request waiting, the reader still sent an
+    XTRIM and an XREVRANGE each pass (about one command more a second than its XREAD and the
+    renewal of ``alive``). It trims what it read, and a request that comes after the stream was
+    replaced by one of lower ids is still read."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    client = aioredis.Redis.from_url(own_redis.url)
+    reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
+    mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, trim_every_s=0.05)
+    sub = mux.subscribe("s")
+    reader = asyncio.create_task(mux.run())
+    try:
+        for record in (Delta("a", 0), Delta("b", 1)):
+            await send(admin, mux.key, record)
+        assert [await asyncio.wait_for(sub.records.get(), 5) for _ in range(2)] == [Delta("a", 0), Delta("b", 1)]
+        mux.unsubscribe(sub)
+        while await admin.xlen(mux.key) > 1:  # trimmed to the last entry read
+            await asyncio.sleep(0.01)
+        await admin.config_resetstat()
+        await asyncio.sleep(0.5)
+        idle = await admin.info("commandstats")
+        assert idle.get("cmdstat_xread", {}).get("calls", 0) >= 3, idle
+        assert "cmdstat_xtrim" not in idle and "cmdstat_xrevrange" not in idle, idle
+        later = mux.subscribe("t")
+        await replace_with_lower_ids(admin, mux.key, b"t", Delta("c", 0))
+        assert await asyncio.wait_for(later.records.get(), 5) == Delta("c", 0)
+    finally:
+        await cancel_and_wait([reader])
+        for c in (reader_client, client, admin):
             await c.aclose()
