@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway import tool_output
 from gateway.errors import APIError, bad_request
 from gateway.tools import Offer, Tool, ToolCall, ToolChoice, ToolUse, called, offer
 from slogate import json_output
@@ -356,6 +357,7 @@ def _check(kind: str, raw: ChatBody | CompletionBody, default_max_tokens: int, m
                               "'none': the answer would be tool calls or that JSON, not both", "response_format",
                               "unsupported_value")
         json_schema, schema_param = tools.schema, tools.schema_param
+        stops = tool_output.stops(tools.use, stops)
     if json_schema is not None and (stops or stop_ids):
         held_to = ("a JSON 'response_format'" if schema_param is None
                    else "'tool_choice' 'required' or a named function")

@@ -11,7 +11,9 @@ the same reader in one go, so an answer streamed and one sent whole say the same
   block (Hermes's layout, which Qwen's, Hermes's and most open chat templates teach) naming an
   offered function is a call, and the rest is content. A block that does not parse, or names
   no offered function, stays in the content as written; so does one cut short, unless what it
-  holds parses (a model may end its turn before the closing tag).
+  holds parses (a model may end its turn before the closing tag). With ``parallel_tool_calls``
+  false the first call is the answer's last word: generation stops at its closing tag
+  (:func:`stops`), and whatever may still follow it is dropped.
 """
 
 from __future__ import annotations
@@ -129,10 +131,11 @@ class _Auto:
     """Holds back what may yet be a block: text from an opening tag on until its closing one,
     the end of the text while it could be the start of an opening tag, and whitespace, which
     between blocks or around them is none of the content. Without calls, the content is the
-    text as it came."""
+    text as it came. Without parallel calls, nothing is read after the first call."""
 
-    def __init__(self, names: frozenset[str]) -> None:
+    def __init__(self, names: frozenset[str], parallel: bool = True) -> None:
         self.names = names
+        self.parallel = parallel
         self.calls = 0
         self._held = ""
         self._in_block = False
@@ -141,6 +144,8 @@ class _Auto:
         self._after_call = False
 
     def feed(self, text: str) -> list[Event]:
+        if self.calls and not self.parallel:
+            return []
         # a long block is searched once, not again at every token
         searched = max(0, len(self._held) - len(CLOSE) + 1) if self._in_block else 0
         self._held += text
@@ -152,7 +157,7 @@ class _Auto:
                 if at < 0:
                     return out
                 out += self._block(self._held[:at], closed=True)
-                self._held = self._held[at + len(CLOSE):]
+                self._held = "" if self.calls and not self.parallel else self._held[at + len(CLOSE):]
                 self._in_block = False
                 continue
             at = self._held.find(OPEN)
@@ -229,7 +234,26 @@ def reader(use: ToolUse) -> Reader:
         return _Named(use.name or "")
     if use.mode == "required":
         return _Required()
-    return _Auto(use.names)
+    return _Auto(use.names, use.parallel)
+
+
+def stops(use: ToolUse, stop: list[str]) -> list[str]:
+    """The stop strings a request's answer is generated with: its own, and under ``"auto"``
+    without parallel calls the closing tag, so that the worker ends the generation once the
+    first block is whole and no token is spent on what would be dropped. The closing tag is cut
+    from the text as any stop string is, and the block it leaves open is read as one cut short:
+    a call where what it holds parses.
+
+    A stop string rather than the gateway cancelling the request once it has read a call: an
+    answer sent whole reaches the gateway only at its end, and a cancelled request's last record
+    (its usage, what admission learns from it) never comes. A stop is the worker's own ending:
+    each of ``n`` choices ends by itself, its usage counts the tokens sampled, and the client's
+    stop strings work beside it (whichever comes first ends the answer). The reader still drops
+    what follows a first call, for the answer a stop string does not end: one that has not yet
+    reached its ``min_tokens``."""
+    if use.mode != "auto" or use.parallel or CLOSE in stop:
+        return stop
+    return [*stop, CLOSE]
 
 
 def message(use: ToolUse, text: str) -> tuple[str | None, list[dict[str, Any]]]:

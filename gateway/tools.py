@@ -83,7 +83,8 @@ class ToolUse:
     name: str | None = None
     """The function a named choice calls."""
     parallel: bool = True
-    """Whether ``"required"`` may call more than one (``parallel_tool_calls``)."""
+    """Whether the answer may hold more than one call (``parallel_tool_calls``): ``"required"``'s
+    schema allows an array of them, and ``"auto"`` reads on past its first."""
 
 
 @dataclass
@@ -130,7 +131,7 @@ def offer(tools: list[Tool] | None, choice: str | ToolChoice | None, parallel: b
         shown.append({"type": "function", "function": {"name": fn.name, **described, "parameters": parameters}})
     names = frozenset(params)
     if choice is None or choice == "auto":
-        return Offer(shown, ToolUse("auto", names))
+        return Offer(shown, ToolUse("auto", names, parallel=parallel is not False))
     if choice == "none":
         return Offer(shown, None)
     if choice == "required":

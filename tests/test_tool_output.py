@@ -16,6 +16,7 @@ from slogate.protocol import TokenLogprob
 
 NAMES = frozenset({"get_weather", "now"})
 AUTO = ToolUse("auto", NAMES)
+AUTO_ONE = ToolUse("auto", NAMES, parallel=False)
 REQUIRED = ToolUse("required", NAMES)
 NAMED = ToolUse("named", NAMES, "get_weather")
 
@@ -99,6 +100,21 @@ def test_auto_reads_hermes_blocks_and_leaves_the_rest_as_written(text: str, cont
     assert every_split(AUTO, text) == (content, calls)
 
 
+OSLO = HERMES.replace("Paris", "Oslo")
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    (f"Let me look.\n{HERMES}\n{OSLO}\nDone.", "Let me look.", [("get_weather", '{"city": "Paris"}')]),
+    (f"{HERMES} and then <tool_c", "", [("get_weather", '{"city": "Paris"}')]),
+    (HERMES.removesuffix("</tool_call>"), "", [("get_weather", '{"city": "Paris"}')]),  # as its stop leaves it
+    (f"<tool_call>{{bad</tool_call> {HERMES}{OSLO}", "<tool_call>{bad</tool_call>",
+     [("get_weather", '{"city": "Paris"}')]),
+    ("no call", "no call", []),
+])
+def test_auto_without_parallel_calls_ends_at_the_first_call(text: str, content: str, calls: list) -> None:
+    assert every_split(AUTO_ONE, text) == (content, calls)
+
+
 def test_text_that_may_yet_open_a_block_is_held_and_the_rest_is_sent_at_once() -> None:
     read = reader(AUTO)
     assert read.feed("Sure, <tool") == ["Sure,"]
@@ -110,6 +126,7 @@ def test_text_that_may_yet_open_a_block_is_held_and_the_rest_is_sent_at_once() -
     (AUTO, "plain", ("plain", [])),
     (AUTO, f"ok {HERMES}", ("ok", [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])),
     (AUTO, HERMES, (None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])),
+    (AUTO_ONE, f"{HERMES}\n{HERMES} more", (None, [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])),
     (NAMED, "{}", (None, [{"name": "get_weather", "arguments": "{}"}])),
     (NAMED, "", (None, [{"name": "get_weather", "arguments": ""}])),
 ])
@@ -141,3 +158,12 @@ def test_streamed_calls_are_openais_chunks_and_held_tokens_log_probabilities_rid
     assert [len(start["logprobs"]["content"]), len(arguments["logprobs"]["content"])] == [2, 0]
     assert chunks[1]["usage"]["completion_tokens"] == 2
     assert (end["delta"], end["finish_reason"], end["logprobs"]) == ({}, "tool_calls", None)
+
+
+def test_streamed_without_parallel_calls_one_call_is_sent_and_ends_the_choice() -> None:
+    calls = StreamedCalls(AUTO_ONE, ChunkWriter("chat", "chatcmpl-1", 0, "m", index=0))
+    frames = calls.text(f"{HERMES}\n", None, None) + calls.text(f"{OSLO} bye", None, None) + calls.finish("stop")
+    choices = [json.loads(f.removeprefix(b"data: "))["choices"][0] for f in frames]
+    assert [c["finish_reason"] for c in choices] == [None, None, "tool_calls"]
+    assert [(d["index"], d["function"]) for c in choices[:2] for d in c["delta"]["tool_calls"]] == [
+        (0, {"name": "get_weather", "arguments": ""}), (0, {"arguments": '{"city": "Paris"}'})]

@@ -132,6 +132,17 @@ def test_auto_may_be_cut_by_stop_strings() -> None:
     assert chat(tools=[WEATHER], stop=["\n"]).sampling.stop == ["\n"]
 
 
+def test_auto_without_parallel_calls_stops_at_the_first_blocks_closing_tag_beside_the_clients_stops() -> None:
+    assert chat(tools=[WEATHER], parallel_tool_calls=False).sampling.stop == ["</tool_call>"]
+    assert chat(tools=[WEATHER], parallel_tool_calls=False, stop="\n\n").sampling.stop == ["\n\n", "</tool_call>"]
+    assert chat(tools=[WEATHER], parallel_tool_calls=False, stop=["</tool_call>"]).sampling.stop == ["</tool_call>"]
+    one = chat(tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False)
+    assert (one.tool_use.mode, one.tool_use.parallel) == ("auto", False)
+    assert chat(tools=[WEATHER], parallel_tool_calls=True).sampling.stop == []
+    for choice in ("none", "required"):  # text, or one call its schema ends
+        assert chat(tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False).sampling.stop == []
+
+
 def test_completions_have_no_tools() -> None:
     refused("tools", "chat completions", kind="completion", tools=[WEATHER])
 
