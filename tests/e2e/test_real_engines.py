@@ -17,24 +17,15 @@ from transformers import AutoTokenizer
 from slogate import protocol
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack
-from tests.e2e.conftest import FAST_FLEET
+from tests.e2e.conftest import start_engines, streamed_calls
 
 PROMPT = [{"role": "user", "content": "Summarise the risk of counterparty 7: 风险 🚀"}]
 
 
 @pytest.fixture(scope="module")
 def engines_stack(redis_server: LocalRedis, tiny_model_dir: Path) -> Iterator[tuple[Stack, str]]:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushdb()
-    client.close()
-    stack = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_MODEL": str(tiny_model_dir),
-                                     "SLOGATE_ADMISSION_CONTROL": "0"})
-    stack.gateway()
-    stack.worker("interactive", "stream", "dtype=\"fp32\"")
-    stack.worker("batch", "paged", "dtype=\"fp32\"", "num_blocks=256")
-    model = tiny_model_dir.name
-    stack.wait_models(model, pools=2, timeout=120)
-    yield stack, model
+    stack = start_engines(redis_server, tiny_model_dir, ("interactive", "stream"), ("batch", "paged", "num_blocks=256"))
+    yield stack, tiny_model_dir.name
     stack.stop()
 
 
@@ -236,22 +227,6 @@ TOOLS = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_too
 ASK = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
-def _calls(chunks: list) -> dict[int, list[dict]]:
-    """Each choice's calls, as a client adds up their chunks: the first of a call carries its id
-    and name, with empty arguments, the rest more of the arguments."""
-    out: dict[int, list[dict]] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            for delta in choice.delta.tool_calls or ():
-                calls = out.setdefault(choice.index, [])
-                if delta.id is not None:
-                    assert delta.index == len(calls) and delta.function.arguments == "" and delta.type == "function"
-                    calls.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
-                else:
-                    calls[delta.index]["arguments"] += delta.function.arguments
-    return out
-
-
 def test_a_named_function_is_called_with_arguments_that_match_its_parameters_in_both_pools(engines_stack) -> None:
     stack, model = engines_stack
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
@@ -265,7 +240,7 @@ def test_a_named_function_is_called_with_arguments_that_match_its_parameters_in_
         assert call.type == "function" and call.id.startswith("call_") and call.function.name == "GetWeather"
         assert isinstance(call.function.parsed_arguments, GetWeather)
         chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
-        [streamed] = _calls(chunks)[0]
+        [streamed] = streamed_calls(chunks)[0]
         assert (streamed["name"], streamed["arguments"]) == ("GetWeather", call.function.arguments)
         assert chunks[-2].choices[0].finish_reason == "tool_calls"
         assert not any(c.choices[0].delta.content for c in chunks if c.choices)
@@ -285,7 +260,7 @@ def test_required_calls_one_of_the_tools_or_several_each_choice_its_own(engines_
     chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                                  max_tokens=200, n=2, seed=5, temperature=1, stream=True))
     finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
-    calls = _calls(chunks)
+    calls = streamed_calls(chunks)
     assert set(calls) == set(finished) == {0, 1}
     assert len({c["id"] for made in calls.values() for c in made}) == sum(len(made) for made in calls.values())
     for index, made in calls.items():  # the tiny model may go on calling until max_tokens cuts the last call
