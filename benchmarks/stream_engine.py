@@ -81,7 +81,7 @@ from engines.runtime.loader import resolve_device
 from engines.runtime.tiny_model import build_tiny_model
 from slogate import keys, protocol
 from slogate.cli import engine_options
-from slogate.cpus import parse_cpus
+from slogate.cpus import parse_cpus, run_first
 from slogate.heap import freeze_startup_heap
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack
@@ -728,7 +728,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"Gateway rows: SSE at the client through gateway + Redis (admission control off), workers at "
         f"{threads} torch thread(s)"
         f"{engine_place_text(args)}"
-        f"{pinned_text(args, threads) if args.pin else ''}; they see text chunks (a token that is part of a UTF-8 "
+        f"{pinned_text(args, threads) if args.pin else ''}"
+        f"{realtime_text(args)}; they see text chunks (a token that is part of a UTF-8 "
         f"character carries no text, so one chunk gap can span several steps); their token gaps are the gaps ended by "
         f"a chunk whose running usage shows it carries exactly one token. 'in process' rows: the same engines "
         f"and loop with no gateway, Redis or worker, timed as outputs leave step(): token gaps are between "
@@ -908,6 +909,11 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="gateway rows: the engine processes on CPUs of their own (the last --threads), the "
                              "gateway, Redis, the workers' event loops and the load generator on the rest")
+    parser.add_argument("--realtime", action="store_true",
+                        help="gateway rows: the gateway, the workers' event loops and Redis at a real-time priority "
+                             "(slogate up --realtime)")
+    parser.add_argument("--realtime-client", action="store_true",
+                        help="with --realtime, the load generator too: it stands in for clients on other machines")
     parser.add_argument("--engine-in-worker", action="store_true",
                         help="workers step their engine on a thread (slogate worker --in-process), not in a "
                              "process of their own")
@@ -947,6 +953,7 @@ def main() -> None:
     name += "_burst" if args.arrivals == "burst" else ""
     name += "_pinned" if args.pin else ""
     name += "_engine_in_worker" if args.engine_in_worker else ""
+    name += "_realtime" if args.realtime else ""
     name = args.name or name
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -967,14 +974,20 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         stack = Stack(redis.url, {**env, "OMP_NUM_THREADS": str(threads)})
         layout = pinned_layout(threads) if args.pin else None
         try:
-            stack.gateway(*(["--cpus", layout[0]] if layout else []))
+            stack.gateway(*(["--cpus", layout[0]] if layout else []), *(["--realtime"] if args.realtime else []))
+            if args.realtime:
+                run_first(redis.proc.pid)
+            if args.realtime_client:
+                run_first()
             dtype = f'dtype="{args.dtype}"'
             device = f'device="{args.device}"'
             cpus = layout[1] if layout else None
             inside = args.engine_in_worker
             workers = {"stream": stack.worker("interactive", "stream", dtype, device, f"max_batch={args.max_batch}",
-                                              *args.stream_option, cpus=cpus, in_process=inside),
-                       "paged": stack.worker("batch", "paged", dtype, device, cpus=cpus, in_process=inside)}
+                                              *args.stream_option, cpus=cpus, in_process=inside,
+                                              realtime=args.realtime),
+                       "paged": stack.worker("batch", "paged", dtype, device, cpus=cpus, in_process=inside,
+                                             realtime=args.realtime)}
             if layout:
                 for pid in (0, redis.proc.pid):
                     os.sched_setaffinity(pid, parse_cpus(layout[0]))
@@ -999,6 +1012,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
             stack.stop()
             redis.stop()
             os.sched_setaffinity(0, everywhere)
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     return rows, prefill, fit
 
 
@@ -1021,6 +1035,14 @@ def pinned_text(args: argparse.Namespace, threads: int) -> str:
         return f", pinned (--pin): workers on CPU(s) {own}, gateway, Redis and load generator on CPU(s) {rest}"
     return (f", pinned (--pin): engine processes on CPU(s) {own}; gateway, Redis, the workers' own threads "
             f"and the load generator on CPU(s) {rest}")
+
+
+def realtime_text(args: argparse.Namespace) -> str:
+    if not args.realtime:
+        return ""
+    client = ", and so is the load generator's (--realtime-client)" if args.realtime_client else ""
+    return (", the gateway's and the workers' event loops and Redis at a real-time priority (--realtime; the "
+            f"engines' steps are not){client}")
 
 
 def pinned_layout(threads: int) -> tuple[str, str]:

@@ -50,10 +50,12 @@ def _run(main: Any) -> None:
 
 def cmd_gateway(args: argparse.Namespace, cfg: Config) -> None:
     from gateway.app import serve
-    from slogate.cpus import pin_to
+    from slogate.cpus import pin_to, run_first
 
     if args.cpus:
         pin_to(args.cpus)
+    if args.realtime:
+        run_first()
     _run(serve(cfg, grace_s=args.grace))
 
 
@@ -68,7 +70,7 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     from engines.engine_process import EngineDied
     from engines.registry import TORCH_ENGINES, create_engine, start_engine_process
     from engines.worker import LoopFailed, run_worker
-    from slogate.cpus import pin_to
+    from slogate.cpus import pin_to, run_first
     from slogate.up import worker_threads
 
     threads = args.threads
@@ -88,6 +90,8 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
         engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format, inherited)
     else:
         engine = create_engine(engine_name, model, options, threads=threads, inherited=inherited)
+    if args.realtime:
+        run_first()
     try:
         _run(run_worker(engine, cfg, args.pool, grace_s=args.grace, metrics_port=args.metrics_port))
     except (EngineDied, LoopFailed) as exc:
@@ -150,7 +154,7 @@ def cmd_up(args: argparse.Namespace, cfg: Config) -> None:
     from slogate.up import run_up
 
     sys.exit(run_up(cfg, engine=args.engine, options=engine_options(args.option),
-                    config_path=args.config or os.environ.get("SLOGATE_CONFIG")))
+                    config_path=args.config or os.environ.get("SLOGATE_CONFIG"), realtime=args.realtime))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], **kwargs)
 
+    def realtime(cmd: argparse.ArgumentParser, what: str) -> None:
+        cmd.add_argument("--realtime", action="store_true",
+                         help=f"run {what} at a real-time priority (Linux; root or CAP_SYS_NICE), so that it "
+                              "preempts the engines' steps when a message arrives: for hosts where it shares "
+                              "cores with them")
+
     up = add("up", help="run Redis (unless SLOGATE_REDIS_URL is set), the gateway and "
                                    "one worker per pool, and stop them all on Ctrl-C")
     up.add_argument("--model", help="local model directory or hub id (default: build the tiny model)")
@@ -170,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, help="the gateway's port (default: the config's, 8000)")
     up.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every worker (e.g. -o decode_base_s=0.004)")
+    realtime(up, "the gateway's and the workers' event loops and the Redis it starts")
     up.set_defaults(func=cmd_up)
 
     gw = add("gateway", help="run one gateway process")
@@ -178,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--grace", type=float, default=30.0,
                     help="seconds open requests get on SIGTERM (a second signal ends them at once)")
     gw.add_argument("--cpus", help="run on these CPUs only, e.g. 0 or 0,2-3 (default: any)")
+    realtime(gw, "its event loop")
     gw.set_defaults(func=cmd_gateway)
 
     wk = add("worker", help="run one engine worker for a pool")
@@ -201,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--grace", type=float, default=30.0,
                     help="seconds held requests get on SIGTERM (a second signal ends the grace at once, "
                          "leaving them to other workers)")
+    realtime(wk, "its event loop (not the engine's steps)")
     wk.set_defaults(func=cmd_worker)
 
     au = add("audit-export", help="print the audit trail as JSON lines, oldest first")

@@ -73,9 +73,10 @@ class Stack:
         return proc
 
     def worker(self, pool: str, engine: str = "sim", *options: str, cpus: str | None = None,
-               in_process: bool = False) -> subprocess.Popen[bytes]:
+               in_process: bool = False, realtime: bool = False) -> subprocess.Popen[bytes]:
         args = ["worker", "--pool", pool, "--engine", engine] + (["--cpus", cpus] if cpus else [])
         args += ["--in-process"] if in_process else []
+        args += ["--realtime"] if realtime else []
         for opt in options:
             args += ["-o", opt]
         return self._spawn(*args)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from slogate.config import Config, unknown_variables
-from slogate.cpus import usable_cpus
+from slogate.cpus import run_first, usable_cpus
 from slogate.local_redis import LocalRedis, free_port
 from slogate.tether import die_with_parent
 
@@ -110,8 +110,9 @@ def private_redis_dir(cfg: Config) -> Path:
 
 
 def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | None = None,
-           config_path: str | None = None) -> int:
-    """``config_path``: the file ``cfg`` was read from, which every process started here reads too."""
+           config_path: str | None = None, realtime: bool = False) -> int:
+    """``config_path``: the file ``cfg`` was read from, which every process started here reads too.
+    ``realtime``: the serving loops ahead of the engines' steps (:func:`slogate.cpus.run_first`)."""
     state_dir = Path(cfg.state_dir).resolve()
     lock = _lock(state_dir)
     if lock is None:
@@ -130,6 +131,8 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
         cfg.redis_url = redis.url
         (redis.state_dir / "url").write_text(redis.url)
         log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
+        if realtime:
+            run_first(redis.proc.pid)
     env = {**os.environ, "SLOGATE_REDIS_URL": cfg.redis_url}
     for name in unknown_variables(env):  # warned about once, by this process; each child would again
         del env[name]
@@ -137,9 +140,10 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
     if cfg.model:
         env["SLOGATE_MODEL"] = cfg.model
     config_args = ["--config", str(Path(config_path).resolve())] if config_path else []
+    flags = ["--realtime"] if realtime else []
     gateway_cmd = [sys.executable, "-m", "slogate.cli", *config_args, "gateway", "--port", str(cfg.port),
-                   "--host", cfg.host]
-    worker_cmds = [[*c[:3], *config_args, *c[3:]] for c in _worker_commands(cfg, engine, options or {})]
+                   "--host", cfg.host, *flags]
+    worker_cmds = [[*c[:3], *config_args, *c[3:], *flags] for c in _worker_commands(cfg, engine, options or {})]
     procs: dict[int, tuple[list[str], subprocess.Popen[bytes]]] = {}
     stopping = False
     code = 0

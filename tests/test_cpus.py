@@ -1,9 +1,12 @@
 """``--cpus`` pins a gateway or worker process to the CPUs it names, and says clearly what is
-wrong with a list it cannot use."""
+wrong with a list it cannot use; ``--realtime`` puts its event loop ahead of the engines' steps,
+and only its loop."""
 
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -13,8 +16,32 @@ import pytest
 import redis
 
 from slogate import keys
-from slogate.cpus import parse_cpus, pin_to
-from slogate.processes import ROOT, python_path
+from slogate.cpus import REALTIME_PRIORITY, parse_cpus, pin_to
+from slogate.local_redis import free_port
+from slogate.processes import ROOT, http_get, python_path
+
+CAP_SYS_NICE = 23
+
+
+def realtime_allowed() -> bool:
+    """Whether processes started here may take a real-time priority: with CAP_SYS_NICE (root,
+    unless a container dropped it), or a real-time priority limit that allows it."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    caps = int(next(line.split()[1] for line in status if line.startswith("CapEff:")), 16)
+    return bool(caps >> CAP_SYS_NICE & 1) or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] >= REALTIME_PRIORITY
+
+
+needs_realtime = pytest.mark.skipif(not realtime_allowed(), reason="this host allows no real-time priority")
+
+
+def policy(tid: int) -> int:
+    """A thread's scheduling policy, without the flag that its children do not inherit it."""
+    return os.sched_getscheduler(tid) & ~os.SCHED_RESET_ON_FORK
+
+
+def threads(pid: int) -> list[int]:
+    """A process's threads, its main thread first."""
+    return [pid, *sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)]
 
 
 def test_lists_and_ranges_parse_as_taskset_writes_them() -> None:
@@ -61,3 +88,45 @@ def test_a_worker_given_cpus_it_cannot_have_exits_with_the_reason() -> None:
                            "--cpus", "4095"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "cannot run on CPU(s) [4095]" in done.stderr
+
+
+REALTIME_CHILDREN = """
+import os, subprocess, sys, threading
+from slogate.cpus import run_first
+assert run_first()
+seen = []
+thread = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+thread.start()
+thread.join()
+child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"], capture_output=True)
+print(os.sched_getscheduler(0) & ~os.SCHED_RESET_ON_FORK, seen[0], int(child.stdout))
+"""
+
+
+@needs_realtime
+def test_realtime_is_the_callers_alone_not_the_threads_or_processes_it_starts() -> None:
+    """An engine started by a worker at a real-time priority must step at an ordinary one."""
+    done = subprocess.run([sys.executable, "-c", REALTIME_CHILDREN], env={**os.environ, "PYTHONPATH": python_path()},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(os.SCHED_RR), str(os.SCHED_OTHER), str(os.SCHED_OTHER)]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] > 0,
+                    reason="needs setpriv to take CAP_SYS_NICE away, and no real-time priority limit")
+def test_a_gateway_refused_a_realtime_priority_says_what_it_lacks_and_serves(redis_url: str) -> None:
+    port = free_port()
+    env = {**os.environ, "SLOGATE_REDIS_URL": redis_url, "PYTHONPATH": python_path(), "SLOGATE_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(["setpriv", "--bounding-set", "-sys_nice", sys.executable, "-m", "slogate.cli", "gateway",
+                             "--realtime", "--port", str(port), "--host", "127.0.0.1"],
+                            env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 30
+        while http_get(f"http://127.0.0.1:{port}/healthz")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < end, "the gateway did not come up"
+            time.sleep(0.05)
+        assert policy(proc.pid) == os.SCHED_OTHER
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "does not allow a real-time priority" in err and "CAP_SYS_NICE" in err and "ulimit -r" in err

@@ -18,6 +18,7 @@ from pathlib import Path
 from gateway.auth import hash_key
 from slogate.local_redis import free_port
 from slogate.processes import http_get, python_path
+from tests.test_cpus import policy, realtime_allowed, threads
 
 
 def children(pid: int) -> set[int]:
@@ -76,14 +77,22 @@ def wait_ready(up: subprocess.Popen[str], port: int, timeout: float) -> None:
 
 
 def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
+    """With ``--realtime``: the event loops of every process and Redis's ahead of the engines,
+    whose steps (here the sim engines' threads) are not."""
     port = free_port()
-    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port), "-o", "decode_base_s=0.001",
+    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port), "-o", "decode_base_s=0.001", "--realtime",
                     stderr=subprocess.PIPE, env={"SLOGATE_PORTT": "9"}) as up:
         wait_ready(up, port, 60)
         status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
         kids = children(up.pid)
         assert len(kids) >= 4, "redis, gateway and one worker per pool"
+        if realtime_allowed():
+            for pid in kids:
+                main, *others = threads(pid)
+                assert (policy(main), {policy(tid) for tid in others} - {os.SCHED_OTHER}) == (os.SCHED_RR, set()), \
+                    cmdline(pid)
+            assert policy(up.pid) == os.SCHED_OTHER
         workers = [cmdline(pid).split(b"\0") for pid in kids]
         ports = [cmd[cmd.index(b"--metrics-port") + 1].decode() for cmd in workers if b"worker" in cmd]
         assert len(ports) == 2
