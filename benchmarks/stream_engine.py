@@ -913,7 +913,8 @@ def main() -> None:
                         help="gateway rows: the gateway, the workers' event loops and Redis at a real-time priority "
                              "(slogate up --realtime)")
     parser.add_argument("--realtime-client", action="store_true",
-                        help="with --realtime, the load generator too: it stands in for clients on other machines")
+                        help="the load generator at a real-time priority: it stands in for clients on other "
+                             "machines, and its own wait for a core is none of the serving path's")
     parser.add_argument("--engine-in-worker", action="store_true",
                         help="workers step their engine on a thread (slogate worker --in-process), not in a "
                              "process of their own")
@@ -954,6 +955,7 @@ def main() -> None:
     name += "_pinned" if args.pin else ""
     name += "_engine_in_worker" if args.engine_in_worker else ""
     name += "_realtime" if args.realtime else ""
+    name += "_realtime_client" if args.realtime_client else ""
     name = args.name or name
     (RESULTS / f"{name}.md").write_text(text + "\n")
     payload = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -1038,11 +1040,9 @@ def pinned_text(args: argparse.Namespace, threads: int) -> str:
 
 
 def realtime_text(args: argparse.Namespace) -> str:
-    if not args.realtime:
-        return ""
-    client = ", and so is the load generator's (--realtime-client)" if args.realtime_client else ""
-    return (", the gateway's and the workers' event loops and Redis at a real-time priority (--realtime; the "
-            f"engines' steps are not){client}")
+    parts = (["the gateway's and the workers' event loops and Redis (--realtime; the engines' steps are not)"]
+             if args.realtime else []) + (["the load generator (--realtime-client)"] if args.realtime_client else [])
+    return f", {' and '.join(parts)} at a real-time priority" if parts else ""
 
 
 def pinned_layout(threads: int) -> tuple[str, str]:
