@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 log = logging.getLogger("slogate")
 
@@ -81,3 +82,14 @@ def run_first(pid: int = 0) -> bool:
         log.warning("--realtime: only Linux has the real-time scheduling it asks for; ignored")
         return False
     return True
+
+
+def can_run_first() -> bool:
+    """Whether this host lets this process's threads take a real-time priority (with the warning
+    of :func:`run_first` where it does not): tried on a passing thread, so that no thread that
+    stays takes it."""
+    allowed: list[bool] = []
+    probe = threading.Thread(target=lambda: allowed.append(run_first()), name="realtime-probe")
+    probe.start()
+    probe.join()
+    return allowed == [True]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from slogate.config import Config, unknown_variables
-from slogate.cpus import run_first, usable_cpus
+from slogate.cpus import can_run_first, run_first, usable_cpus
 from slogate.local_redis import LocalRedis, free_port
 from slogate.tether import die_with_parent
 
@@ -131,8 +131,8 @@ def run_up(cfg: Config, engine: str | None = None, options: dict[str, Any] | Non
         cfg.redis_url = redis.url
         (redis.state_dir / "url").write_text(redis.url)
         log.info("started redis-server on %s (state in %s)", redis.url, redis.state_dir)
-        if realtime:
-            run_first(redis.proc.pid)
+    if realtime:  # refused here, refused to every process: said once, here
+        realtime = run_first(redis.proc.pid) if redis is not None else can_run_first()
     env = {**os.environ, "SLOGATE_REDIS_URL": cfg.redis_url}
     for name in unknown_variables(env):  # warned about once, by this process; each child would again
         del env[name]

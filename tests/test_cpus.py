@@ -5,8 +5,6 @@ and only its loop."""
 from __future__ import annotations
 
 import os
-import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -16,22 +14,10 @@ import pytest
 import redis
 
 from slogate import keys
-from slogate.cpus import REALTIME_PRIORITY, parse_cpus, pin_to
-from slogate.local_redis import free_port
-from slogate.processes import ROOT, http_get, python_path
+from slogate.cpus import can_run_first, parse_cpus, pin_to
+from slogate.processes import ROOT, python_path
 
-CAP_SYS_NICE = 23
-
-
-def realtime_allowed() -> bool:
-    """Whether processes started here may take a real-time priority: with CAP_SYS_NICE (root,
-    unless a container dropped it), or a real-time priority limit that allows it."""
-    status = Path("/proc/self/status").read_text().splitlines()
-    caps = int(next(line.split()[1] for line in status if line.startswith("CapEff:")), 16)
-    return bool(caps >> CAP_SYS_NICE & 1) or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] >= REALTIME_PRIORITY
-
-
-needs_realtime = pytest.mark.skipif(not realtime_allowed(), reason="this host allows no real-time priority")
+needs_realtime = pytest.mark.skipif(not can_run_first(), reason="this host allows no real-time priority")
 
 
 def policy(tid: int) -> int:
@@ -110,23 +96,3 @@ def test_realtime_is_the_callers_alone_not_the_threads_or_processes_it_starts() 
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(os.SCHED_RR), str(os.SCHED_OTHER), str(os.SCHED_OTHER)]
-
-
-@pytest.mark.skipif(shutil.which("setpriv") is None or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] > 0,
-                    reason="needs setpriv to take CAP_SYS_NICE away, and no real-time priority limit")
-def test_a_gateway_refused_a_realtime_priority_says_what_it_lacks_and_serves(redis_url: str) -> None:
-    port = free_port()
-    env = {**os.environ, "SLOGATE_REDIS_URL": redis_url, "PYTHONPATH": python_path(), "SLOGATE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(["setpriv", "--bounding-set", "-sys_nice", sys.executable, "-m", "slogate.cli", "gateway",
-                             "--realtime", "--port", str(port), "--host", "127.0.0.1"],
-                            env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    try:
-        end = time.monotonic() + 30
-        while http_get(f"http://127.0.0.1:{port}/healthz")[0] != 200:
-            assert proc.poll() is None and time.monotonic() < end, "the gateway did not come up"
-            time.sleep(0.05)
-        assert policy(proc.pid) == os.SCHED_OTHER
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    assert "does not allow a real-time priority" in err and "CAP_SYS_NICE" in err and "ulimit -r" in err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,10 +17,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from gateway.auth import hash_key
+from slogate.cpus import can_run_first
 from slogate.local_redis import free_port
 from slogate.processes import http_get, python_path
-from tests.test_cpus import policy, realtime_allowed, threads
+from tests.test_cpus import policy, threads
 
 
 def children(pid: int) -> set[int]:
@@ -56,10 +61,11 @@ def up_env(tmp_path: Path, log_level: str = "WARNING") -> dict[str, str]:
 
 @contextlib.contextmanager
 def slogate_up(tmp_path: Path, *args: str, stderr: int | None = None, config: Path | None = None,
-               log_level: str = "WARNING", env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
-    """``slogate [--config CONFIG] up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
+               log_level: str = "WARNING", env: dict[str, str] | None = None,
+               under: tuple[str, ...] = ()) -> Iterator[subprocess.Popen[str]]:
+    """``[UNDER] slogate [--config CONFIG] up ARGS`` in ``tmp_path``, killed if a test leaves it running."""
     top = ["--config", str(config)] if config else []
-    up = subprocess.Popen([sys.executable, "-m", "slogate.cli", *top, "up", *args],
+    up = subprocess.Popen([*under, sys.executable, "-m", "slogate.cli", *top, "up", *args],
                           env={**up_env(tmp_path, log_level), **(env or {})}, cwd=tmp_path, stderr=stderr, text=True)
     try:
         yield up
@@ -87,7 +93,7 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert status == 200 and json.loads(body)["data"][0]["id"] == "slogate-sim"
         kids = children(up.pid)
         assert len(kids) >= 4, "redis, gateway and one worker per pool"
-        if realtime_allowed():
+        if can_run_first():
             for pid in kids:
                 main, *others = threads(pid)
                 assert (policy(main), {policy(tid) for tid in others} - {os.SCHED_OTHER}) == (os.SCHED_RR, set()), \
@@ -106,6 +112,22 @@ def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
         assert not any(alive(pid) for pid in kids), "every process of the stack is gone"
         assert http_get(f"http://127.0.0.1:{port}/healthz")[0] == 0
     assert err.count("SLOGATE_PORTT is not a setting") == 1, "warned once, not once a process"
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or resource.getrlimit(resource.RLIMIT_RTPRIO)[0] > 0,
+                    reason="needs setpriv to take CAP_SYS_NICE away, and no real-time priority limit")
+def test_up_refused_a_realtime_priority_says_so_once_and_serves(tmp_path: Path) -> None:
+    port = free_port()
+    with slogate_up(tmp_path, "--engine", "sim", "--port", str(port), "--realtime", stderr=subprocess.PIPE,
+                    under=("setpriv", "--bounding-set", "-sys_nice")) as up:
+        wait_ready(up, port, 60)
+        kids = children(up.pid)
+        assert {policy(pid) for pid in kids} == {os.SCHED_OTHER}
+        assert not any(b"--realtime" in cmdline(pid) for pid in kids), "refused to up, refused to them"
+        up.send_signal(signal.SIGTERM)
+        _, err = up.communicate(timeout=60)
+    assert err.count("does not allow a real-time priority") == 1, err
+    assert "CAP_SYS_NICE" in err and "ulimit -r" in err
 
 
 def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp_path: Path) -> None:
