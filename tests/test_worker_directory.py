@@ -95,3 +95,55 @@ async def test_the_fleet_is_read_from_the_workers_set_and_a_lost_pool_stays_watc
     assert not directory.view.heartbeats and set(directory.unserved_since) == {"interactive", "extra"}
     assert await client.smembers(keys.WORKERS) == set(), "the expired heartbeat's name is dropped"
     await client.aclose()
+
+
+async def test_an_idle_directory_reads_the_fleet_without_scripts_until_a_probe_is_due(own_redis: LocalRedis) -> None:
+    """Each read ran EVAL, SCRIPT LOAD and EVALSHA, with no expired heartbeat to drop: half of
+    an idle gateway's commands to Redis. They probe the ACL, at the first read and after a reconnect."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    client = aioredis.Redis.from_url(own_redis.url)
+    await beat(admin, Heartbeat(worker_id="w1", pool="interactive", engine="sim", models=[ModelInfo("m", 4096)],
+                                running=0, waiting=0, capacity=16))
+    directory = WorkerDirectory(client, ["interactive", "batch"])
+    assert await directory.refresh()
+    await admin.config_resetstat()
+    for _ in range(5):
+        assert await directory.refresh()
+    idle = await admin.info("commandstats")
+    assert idle["cmdstat_smembers"]["calls"] == 5 and idle["cmdstat_xlen"]["calls"] == 10, idle
+    assert not {"cmdstat_eval", "cmdstat_evalsha", "cmdstat_script|load"} & set(idle), idle
+    await admin.config_resetstat()
+    await client.connection_pool.disconnect()
+    assert await directory.refresh() and await directory.refresh()
+    probed = await admin.info("commandstats")
+    assert [probed.get(f"cmdstat_{c}", {}).get("calls") for c in ("eval", "script|load", "evalsha")] == [1, 1, 1], \
+        probed
+    await admin.config_resetstat()
+    await admin.delete(keys.heartbeat("interactive", "w1"))
+    assert await directory.refresh() and not directory.view.heartbeats
+    expired = await admin.info("commandstats")
+    assert expired["cmdstat_eval"]["calls"] == 1 and "cmdstat_evalsha" not in expired, expired
+    assert await admin.smembers(keys.WORKERS) == set()
+    for c in (client, admin):
+        await c.aclose()
+
+
+async def test_an_acl_tightened_at_run_time_shows_when_the_probe_is_due(own_redis: LocalRedis,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads between probes run no script, so a refusal shows at the next probe, and its
+    lifting at the next read after it."""
+    admin = aioredis.Redis.from_url(own_redis.url)
+    await admin.execute_command("ACL", "SETUSER", "gw", "on", ">pw", "~*", "&*", "+@all")
+    client = aioredis.Redis.from_url(f"redis://gw:pw@127.0.0.1:{own_redis.port}/0")
+    directory = WorkerDirectory(client, ["interactive"])
+    assert await directory.refresh()
+    await admin.execute_command("ACL", "SETUSER", "gw", "-evalsha")
+    assert await directory.refresh() and directory.refused is None, "no probe is due yet"
+    monkeypatch.setattr(workers, "PROBE_EVERY_S", 0.0)
+    assert not await directory.refresh()
+    assert "'evalsha' command" in (directory.refused or ""), directory.refused
+    monkeypatch.setattr(workers, "PROBE_EVERY_S", 30.0)
+    await admin.execute_command("ACL", "SETUSER", "gw", "+evalsha")
+    assert await directory.refresh() and directory.refused is None
+    for c in (client, admin):
+        await c.aclose()
