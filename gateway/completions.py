@@ -489,7 +489,7 @@ async def _collect(jobs: list[_Job], source: Subscription | choices.Merged) -> w
         text, finish, calls = j.relay.text, j.outcome, None
         if use is not None:
             text, calls = tool_output.message(use, text)
-            finish = tool_output.finish_reason(finish, len(calls))
+            finish = tool_output.finish_reason(finish, len(calls), use)
         answers.append(shapes.choice(kind, j.index, text, finish, j.relay.logprobs if logprobs else None, calls))
     body = shapes.full_response(kind, shapes.response_id(kind, job.gen.id), int(job.arrived), job.gen.model,
                                 answers, _usage(jobs))

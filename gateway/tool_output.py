@@ -13,7 +13,8 @@ the same reader in one go, so an answer streamed and one sent whole say the same
   no offered function, stays in the content as written; so does one cut short, unless what it
   holds parses (a model may end its turn before the closing tag). With ``parallel_tool_calls``
   false the first call is the answer's last word: generation stops at its closing tag
-  (:func:`stops`), and whatever may still follow it is dropped.
+  (:func:`stops`), and whatever may still follow it is dropped (the answer finishes with
+  ``tool_calls`` all the same, :func:`finish_reason`).
 """
 
 from __future__ import annotations
@@ -250,8 +251,8 @@ def stops(use: ToolUse, stop: list[str]) -> list[str]:
     each of ``n`` choices ends by itself, its usage counts the tokens sampled, and the client's
     stop strings work beside it (whichever comes first ends the answer). The reader still drops
     what follows a first call, for the answer a stop string does not end: one that has not yet
-    reached its ``min_tokens``."""
-    if use.mode != "auto" or use.parallel or CLOSE in stop:
+    reached its ``min_tokens`` (:func:`finish_reason` says it ended with its call all the same)."""
+    if not use.ends_at_first_call or CLOSE in stop:
         return stop
     return [*stop, CLOSE]
 
@@ -273,9 +274,13 @@ def message(use: ToolUse, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return (joined or None) if calls else joined, calls
 
 
-def finish_reason(finish: str, calls: int) -> str:
-    """``tool_calls`` for an answer that ended by itself with calls, as at OpenAI."""
-    return "tool_calls" if calls and finish == "stop" else finish
+def finish_reason(finish: str, calls: int, use: ToolUse) -> str:
+    """``tool_calls`` for an answer that ended by itself with calls, as at OpenAI, and for one
+    whose first call is its last word (``ToolUse.ends_at_first_call``) whatever ended the
+    generation after that call: ``min_tokens`` keeps the worker from stopping at the closing
+    tag, and ``max_tokens`` may then cut what is dropped anyway. A call is read only once its
+    JSON is whole, so the answer holds all of it."""
+    return "tool_calls" if calls and (finish == "stop" or use.ends_at_first_call) else finish
 
 
 class StreamedCalls:
@@ -284,6 +289,7 @@ class StreamedCalls:
     Log-probabilities of text held back ride on the next chunk sent, or the last."""
 
     def __init__(self, use: ToolUse, writer: ChunkWriter) -> None:
+        self._use = use
         self._read = reader(use)
         self._writer = writer
         self._logprobs: list[TokenLogprob] | None = None
@@ -295,7 +301,8 @@ class StreamedCalls:
 
     def finish(self, finish: str) -> list[bytes]:
         frames = self._frames(self._read.end(), None)
-        return frames + [self._writer.finish(finish_reason(finish, self._read.calls), self._logprobs or None)]
+        reason = finish_reason(finish, self._read.calls, self._use)
+        return frames + [self._writer.finish(reason, self._logprobs or None)]
 
     def _frames(self, events: list[Event], use: dict[str, int] | None) -> list[bytes]:
         frames = []

@@ -86,6 +86,13 @@ class ToolUse:
     """Whether the answer may hold more than one call (``parallel_tool_calls``): ``"required"``'s
     schema allows an array of them, and ``"auto"`` reads on past its first."""
 
+    @property
+    def ends_at_first_call(self) -> bool:
+        """Whether the answer's first call is its last word: under ``"auto"`` without parallel
+        calls, what the model writes after it is dropped (``"required"``'s schema holds a lone
+        call by itself)."""
+        return self.mode == "auto" and not self.parallel
+
 
 @dataclass
 class Offer:

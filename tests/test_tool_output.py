@@ -137,8 +137,30 @@ def test_a_whole_answers_message(use: ToolUse, text: str, expected: tuple[Any, l
 
 
 def test_an_answer_that_ended_with_calls_says_tool_calls_unless_cut_short() -> None:
-    assert [finish_reason("stop", 1), finish_reason("length", 1), finish_reason("stop", 0)] == [
+    assert [finish_reason("stop", 1, AUTO), finish_reason("length", 1, AUTO), finish_reason("stop", 0, AUTO)] == [
         "tool_calls", "length", "stop"]
+    assert [finish_reason("length", 1, REQUIRED), finish_reason("length", 1, NAMED)] == ["length", "length"]
+
+
+def finished(use: ToolUse, text: str, finish: str, streaming: bool) -> str:
+    """The finish reason of an answer of ``text`` whose generation ``finish`` ended, as it is sent."""
+    if not streaming:
+        return finish_reason(finish, len(message(use, text)[1]), use)
+    calls = StreamedCalls(use, ChunkWriter("chat", "chatcmpl-1", 0, "m", index=0))
+    frames = calls.text(text[:20], None, None) + calls.text(text[20:], None, None) + calls.finish(finish)
+    return json.loads(frames[-1].removeprefix(b"data: "))["choices"][0]["finish_reason"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_without_parallel_calls_a_whole_first_call_says_tool_calls_whatever_ended_the_text_after_it(
+        streaming: bool) -> None:
+    """With ``min_tokens`` the worker ignores the closing tag's stop string, writes on, and
+    ``max_tokens`` cuts it: what follows the call was dropped, yet the answer said "length"."""
+    text = f"{HERMES}\nand then some more text the reader drops, cut by max_tok"
+    assert finished(AUTO_ONE, text, "length", streaming) == "tool_calls"
+    assert finished(AUTO, text, "length", streaming) == "length", "with parallel calls, more may have been cut"
+    cut = HERMES[:HERMES.index("Paris") + 3]
+    assert finished(AUTO_ONE, cut, "length", streaming) == "length", "the call itself was cut"
 
 
 def test_streamed_calls_are_openais_chunks_and_held_tokens_log_probabilities_ride_on_the_next() -> None:

@@ -120,3 +120,25 @@ def test_auto_reads_the_calls_the_model_writes_and_without_parallel_calls_its_fi
     taught = tokenizer(LESSONS[1][1], add_special_tokens=False).input_ids
     first = next(k for k in range(len(taught)) if "</tool_call>" in tokenizer.decode(taught[:k]))
     assert (used[True], used[False]) == (len(taught) + 1, first)  # the whole answer and its end; the first block
+
+
+def test_without_parallel_calls_a_first_call_that_min_tokens_wrote_past_says_tool_calls(
+        tool_stack: tuple[Stack, str], taught_model: Path) -> None:
+    """``min_tokens`` keeps the worker writing past the first block's closing tag, and
+    ``max_tokens`` then cuts it: what followed the call was dropped, yet the answer said "length"."""
+    stack, model = tool_stack
+    tokenizer = AutoTokenizer.from_pretrained(taught_model)
+    taught = tokenizer(LESSONS[1][1], add_special_tokens=False).input_ids
+    first = next(k for k in range(len(taught)) if "</tool_call>" in tokenizer.decode(taught[:k]))
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    args = dict(model=model, messages=TWO, tools=[WEATHER], tool_choice="auto", parallel_tool_calls=False,
+                temperature=0, max_tokens=first + 3, extra_body={"min_tokens": first + 3},
+                extra_headers={"x-slogate-class": "interactive"})
+    whole = client.chat.completions.create(**args)
+    choice = whole.choices[0]
+    assert whole.usage.completion_tokens == first + 3, whole.usage
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None), choice
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Oslo"}]
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    assert [json.loads(c["arguments"]) for c in streamed_calls(chunks)[0]] == [{"city": "Oslo"}]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
