@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoPermissionError, RedisError
 
 from gateway.errors import acl_refusal, acl_refused
@@ -91,11 +90,10 @@ _FORGET_EXPIRED_SHA = hashlib.sha1(_FORGET_EXPIRED.encode()).hexdigest()
 
 PROBE_EVERY_S = 30.0
 """How often a read probes the ACL with the scripting commands (EVAL, SCRIPT LOAD, EVALSHA) when
-nothing calls for it sooner; a read probes too when it is the first, when the one before was
-refused or failed (so that a recovery shows at the next read), and when a connection to Redis
-was made since the last probe (it may be a new server, or one restarted with another ACL). An
-ACL tightened at run time shows within this time. An idle gateway's other reads send SMEMBERS,
-MGET and an XLEN per pool, and nothing else."""
+nothing calls for it sooner; a read probes too when it is the first, and when the one before was
+refused or failed (so that a recovery shows at the next read). An ACL tightened at run time, or
+another one after a failover, shows within this time. An idle gateway's other reads send
+SMEMBERS, MGET and an XLEN per pool, and nothing else."""
 
 
 class WorkerDirectory:
@@ -123,13 +121,9 @@ class WorkerDirectory:
         read on (a gateway started without Redis says so), and so is each recovery."""
         self.refused: str | None = None
         """What Redis's ACL refused this gateway's user at the last read; None if nothing."""
-        self._probed: tuple[float, int] | None = None
-        """When (monotonic) the last probe of the ACL that succeeded began, and ``_connects``
-        then; None before the first read and after one that was refused or failed."""
-        self._connects = 0
-        """Connections the client of ``redis`` made since this directory was, counted (its pool
-        calls ``_connected``) so that a read after one probes."""
-        redis.connection_pool.connection_kwargs["redis_connect_func"] = self._connected
+        self._probed_at: float | None = None
+        """When (monotonic) the last probe of the ACL that succeeded began; None before the first
+        read and after one that was refused or failed."""
         self.newest: dict[tuple[str, str], float] = {}
         """The newest heartbeat time (``Heartbeat.ts``, by the worker's own clock) read of each
         worker (pool, id) present or missing, by which a beat from a Redis that lags is told."""
@@ -155,30 +149,30 @@ class WorkerDirectory:
             # A pool seen once stays: one whose last worker died is still watched (``unserved_since``).
             pools = sorted({*self.configured_pools, *self.view.queue_depth, *(hb.pool for hb in heartbeats)})
             expired = [name for name, data in zip(names, raw) if data is None]
-            probe = self._probe_due(started)
+            probe = self._probed_at is None or started - self._probed_at >= PROBE_EVERY_S
             async with self.redis.pipeline(transaction=False) as p:
                 for pool in pools:
                     p.xlen(keys.queue(pool))
-                if expired or probe is not None:
+                if expired or probe:
                     p.eval(_FORGET_EXPIRED, 1 + len(expired), keys.WORKERS, *expired)
-                if probe is not None:
+                if probe:
                     p.script_load(_FORGET_EXPIRED).evalsha(_FORGET_EXPIRED_SHA, 1, keys.WORKERS)
                 depths = (await p.execute())[:len(pools)]
         except NoPermissionError as exc:
             refusal = acl_refusal(exc)
             if self.refused is None:
                 log.error("%s", acl_refused(refusal))
-            self._read_ok, self._reading_since, self.refused, self._probed = False, None, refusal, None
+            self._read_ok, self._reading_since, self.refused, self._probed_at = False, None, refusal, None
             return False
         except (RedisError, OSError) as exc:
             if not self._said_down:
                 log.error("Redis unreachable: %s", exc)
             # Not the ACL's doing: readiness says Redis is down, and a refusal found once it is back is logged again.
             self._read_ok, self._reading_since, self._said_down, self.refused = False, None, True, None
-            self._probed = None
+            self._probed_at = None
             return False
-        if probe is not None:
-            self._probed = probe
+        if probe:
+            self._probed_at = started
         now = time.monotonic()
         self._note_missing(heartbeats, now)
         self._note_newest(heartbeats)
@@ -196,19 +190,6 @@ class WorkerDirectory:
             log.info("Redis's ACL allows this gateway's user what it needs again")
         self._read_ok, self._reading_since, self._said_down, self.refused = True, None, False, None
         return True
-
-    def _probe_due(self, now: float) -> tuple[float, int] | None:
-        """What ``_probed`` becomes if the read that began at ``now`` is to probe the ACL
-        (``PROBE_EVERY_S``); None if it need not."""
-        if (self._probed is None or now - self._probed[0] >= PROBE_EVERY_S
-                or self._connects != self._probed[1]):
-            return now, self._connects
-        return None
-
-    async def _connected(self, connection: AbstractConnection) -> None:
-        """Set up a connection the client of ``redis`` just made, as redis-py does, and count it."""
-        await connection.on_connect()
-        self._connects += 1
 
     def _note_missing(self, heartbeats: list[Heartbeat], now: float) -> None:
         """Update ``missing`` from a read made at ``now``, before it replaces ``view``."""
