@@ -26,6 +26,8 @@ from slogate import json_output
 from slogate.processes import ROOT
 from slogate.protocol import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VERDICT = {
     "type": "object",
     "properties": {

@@ -8,6 +8,8 @@ import torch
 from engines.runtime.sampling import make_generator, sample, token_logprobs
 from slogate.protocol import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 V = 50
 
 

@@ -16,22 +16,14 @@ from engines.stepping import Failure, Step, step_until_stopped
 from engines.stream import StreamEngine, StreamOptions, create
 from slogate.protocol import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPTS = [
     "The gateway accepts",
     "你好，世界。 🚀 launch",
     "Hello! How are you today? I am fine, thank you. What would you like to know about latency?",
     "0 1 2",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model gains nothing from a second thread, and on a shared 2-core machine
-    two threads that spin-wait for each other are several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
