@@ -82,6 +82,15 @@ def wait_ready(up: subprocess.Popen[str], port: int, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def one_torch_worker(tmp_path: Path) -> Path:
+    """A config whose interactive pool runs the stream engine and whose batch pool the sim one:
+    one worker and its engine process load torch, where by default two did side by side (some
+    10 s on 2 cores), for tests of a real engine's worker that need only one."""
+    config = tmp_path / "slogate.yaml"
+    config.write_text("pools:\n  interactive: {engine: stream}\n  batch: {engine: sim}\n")
+    return config
+
+
 def test_up_with_sim_engines_serves_and_stops_cleanly(tmp_path: Path) -> None:
     """With ``--realtime``: the event loops of every process and Redis's ahead of the engines,
     whose steps (here the sim engines' threads) are not."""
@@ -208,7 +217,7 @@ def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
     """A model that does not load would fail every restart the same way: the stack stops, says
     why, and exits 2."""
     with slogate_up(tmp_path, "--model", "/nonexistent/model", "--port", str(free_port()),
-                    stderr=subprocess.PIPE, log_level="INFO") as up:
+                    stderr=subprocess.PIPE, log_level="INFO", config=one_torch_worker(tmp_path)) as up:
         _, err = up.communicate(timeout=180)
     assert up.returncode == 2
     assert "model directory '/nonexistent/model' does not exist" in err
@@ -219,20 +228,21 @@ def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
 def test_up_restarts_a_worker_whose_engine_process_died(tmp_path: Path, tiny_model_dir: Path) -> None:
     port = free_port()
     with slogate_up(tmp_path, "--model", str(tiny_model_dir), "--port", str(port), stderr=subprocess.PIPE,
-                    log_level="INFO") as up:
+                    log_level="INFO", config=one_torch_worker(tmp_path)) as up:
         wait_ready(up, port, 240)
         time.sleep(1.0)  # up looks every 0.2 s, and says it is ready once it has seen it
         workers = [pid for pid in children(up.pid) if b"worker" in cmdline(pid)]
-        engine = next(pid for pid in children(workers[0]) if b"spawn_main" in cmdline(pid))
+        worker, engine = next((w, pid) for w in workers for pid in children(w) if b"spawn_main" in cmdline(pid))
         os.kill(engine, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while alive(workers[0]):
+        while alive(worker):
             assert time.monotonic() < deadline, "the worker outlived its engine"
             time.sleep(0.1)
         time.sleep(1.5)
         wait_ready(up, port, 240)
         status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
-        assert status == 200 and sorted(json.loads(body)["data"][0]["pools"]) == ["batch", "interactive"]
+        served = {m["id"]: m["pools"] for m in json.loads(body)["data"]}
+        assert status == 200 and served[tiny_model_dir.name] == ["interactive"], served
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
     assert up.returncode == 0
