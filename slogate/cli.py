@@ -19,6 +19,7 @@ from slogate.config import (
     Config,
     ConfigError,
     load_config,
+    missing_model_dir,
     redacted,
     unknown_variables,
 )
@@ -86,6 +87,8 @@ def cmd_worker(args: argparse.Namespace, cfg: Config) -> None:
     own, inherited = (pool_options, {}) if pool_cfg is None or pool_cfg.engine == engine_name else ({}, pool_options)
     options = {**own, **engine_options(args.option)}
     model, threads = args.model or cfg.model, worker_threads(cfg, threads)
+    if engine_name in TORCH_ENGINES and model and (missing := missing_model_dir(model)):
+        raise ConfigError(missing)
     if engine_name in TORCH_ENGINES and not args.in_process:
         engine = start_engine_process(engine_name, model, options, threads, cfg.log_level, cfg.log_format, inherited)
     else:

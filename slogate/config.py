@@ -131,6 +131,15 @@ _COERCE = {int: int, float: float, str: str, bool: _bool}
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 """Where every process looks for Redis when none is configured (``slogate up`` starts its own)."""
 
+def missing_model_dir(model: str) -> str | None:
+    """Why a model named as a path (``/``, ``./``, ``../``) cannot load: it does not exist, and is
+    no hub id to look up either. None for any other name. Torch-free, so that a worker says it
+    before it starts an engine process, which spends seconds importing torch to find it out."""
+    if model.startswith(("/", "./", "../")) and not Path(model).exists():
+        return f"model directory '{model}' does not exist"
+    return None
+
+
 def redacted(url: str) -> str:
     """``url`` fit for a log line: a password in it (``user:pass@`` or redis-py's
     ``?password=``) becomes ``***``."""

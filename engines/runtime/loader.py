@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engines.base import LONG_PROMPT_CHARS, checked_options
+from slogate.config import missing_model_dir
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -194,9 +195,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedM
     (``/``, ``./``, ``../``) that does not exist is an error naming it, not a hub lookup."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if missing := missing_model_dir(model):
+        raise ValueError(missing)
     path = Path(model)
-    if not path.exists() and model.startswith(("/", "./", "../")):
-        raise ValueError(f"model directory '{model}' does not exist")
     model_id = path.name if path.is_dir() else model
     tokenizer = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(dev).eval()

@@ -221,7 +221,8 @@ def test_up_stops_when_a_worker_cannot_start(tmp_path: Path) -> None:
                     stderr=subprocess.PIPE, log_level="INFO", config=one_torch_worker(tmp_path)) as up:
         _, err = up.communicate(timeout=180)
     assert up.returncode == 2
-    assert "model directory '/nonexistent/model' does not exist" in err
+    assert "configuration error: model directory '/nonexistent/model' does not exist" in err, \
+        "the worker says it before it starts an engine process"
     assert "could not start as configured" in err
     assert "slogate is ready" not in err
 
