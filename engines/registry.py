@@ -8,12 +8,12 @@ import logging
 import os
 from dataclasses import fields
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from engines.base import Engine
 from engines.engine_process import Encoder, EngineProcess
 from slogate import logs
+from slogate.config import served_model_id
 
 ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
 TORCH_ENGINES = {"stream", "paged"}
@@ -87,8 +87,7 @@ def _prompt_encoder(model: str) -> Encoder:
 
     from engines.runtime.loader import encode_prompt
 
-    model_id = Path(model).name if Path(model).is_dir() else model
-    return partial(encode_prompt, AutoTokenizer.from_pretrained(model), model_id)
+    return partial(encode_prompt, AutoTokenizer.from_pretrained(model), served_model_id(model))
 
 
 def _create_logged(name: str, model: str | None, options: dict[str, Any], threads: int | None,

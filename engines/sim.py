@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import COUNT, NOT_NEGATIVE, EngineLoad, EngineRequest, Send, StepOutput, checked_options
+from slogate.config import served_model_id
 from slogate.protocol import TokenLogprob, fit_to_context
 
 WORDS = (
@@ -206,5 +207,8 @@ OPTIONS = SimTiming
 def create(model: str | None = None, **options: Any) -> SimEngine:
     """Options are checked here (:func:`engines.base.checked_options`): one of the wrong type
     (``-o decode_base_s=4ms``) would fail only in ``load()``, in the worker's heartbeat,
-    leaving a worker nobody sees."""
-    return SimEngine(model_id=model or "slogate-sim", timing=checked_options("sim", SimTiming, options))
+    leaving a worker nobody sees. ``model`` is served under the id a real engine gives it
+    (:func:`slogate.config.served_model_id`), so that a sim pool beside a real one serves the
+    same model."""
+    return SimEngine(model_id=served_model_id(model) if model else "slogate-sim",
+                     timing=checked_options("sim", SimTiming, options))

@@ -131,6 +131,15 @@ _COERCE = {int: int, float: float, str: str, bool: _bool}
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 """Where every process looks for Redis when none is configured (``slogate up`` starts its own)."""
 
+
+def served_model_id(model: str) -> str:
+    """The id a worker serving ``model`` advertises (``/v1/models``, its heartbeat): a local
+    directory's name, a hub id as given. Every engine uses it, the sim one too, so that the pools
+    of one ``slogate up --model DIR`` advertise one model, not a name and a path."""
+    path = Path(model)
+    return path.name if path.is_dir() else model
+
+
 def missing_model_dir(model: str) -> str | None:
     """Why a model named as a path (``/``, ``./``, ``../``) cannot load: it does not exist, and is
     no hub id to look up either. None for any other name. Torch-free, so that a worker says it

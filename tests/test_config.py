@@ -4,7 +4,7 @@ import pytest
 
 from gateway.auth import KeyStore
 from slogate.cli import main
-from slogate.config import ApiKeyConfig, ConfigError, load_config, redacted, unknown_variables
+from slogate.config import ApiKeyConfig, ConfigError, load_config, redacted, served_model_id, unknown_variables
 
 
 def test_defaults() -> None:
@@ -135,3 +135,11 @@ def test_a_non_finite_policy_setting_is_refused(tmp_path) -> None:
     path.write_text("policies:\n  objectives:\n    batch:\n      deadline_s: .inf\n")
     with pytest.raises(ConfigError, match="deadline_s"):
         load_config(path, env={})
+
+
+def test_a_model_directory_is_served_under_its_name_and_a_hub_id_as_given(tmp_path, monkeypatch) -> None:
+    (tmp_path / "models" / "my-llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert served_model_id(str(tmp_path / "models" / "my-llama")) == "my-llama"
+    assert served_model_id("models/my-llama/") == "my-llama"
+    assert served_model_id("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"

@@ -50,6 +50,15 @@ def test_choices_seeded_apart_always_say_different_things() -> None:
         assert len({text(outs) for outs in out.values()}) == 3, seed
 
 
+def test_a_model_directory_is_served_under_its_name_as_the_real_engines_serve_it(tmp_path) -> None:
+    """``slogate up --model DIR`` hands DIR to every pool's workers, the sim ones too: served
+    under its full path, a sim pool's model was another than the real pools' beside it."""
+    (tmp_path / "my-llama").mkdir()
+    assert create(str(tmp_path / "my-llama")).model_id == "my-llama"
+    assert create("org/hub-model").model_id == "org/hub-model"
+    assert create().model_id == "slogate-sim"
+
+
 def test_batch_limit_holds_requests_back() -> None:
     engine = create(decode_base_s=0, max_batch=2)
     for i in range(3):

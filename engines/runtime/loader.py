@@ -12,14 +12,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engines.base import LONG_PROMPT_CHARS, checked_options
-from slogate.config import missing_model_dir
+from slogate.config import missing_model_dir, served_model_id
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -197,14 +196,12 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto") -> LoadedM
     torch_dtype = resolve_dtype(dtype, dev)
     if missing := missing_model_dir(model):
         raise ValueError(missing)
-    path = Path(model)
-    model_id = path.name if path.is_dir() else model
     tokenizer = AutoTokenizer.from_pretrained(model)
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(dev).eval()
     return LoadedModel(
         model=lm,
         tokenizer=tokenizer,
-        model_id=model_id,
+        model_id=served_model_id(model),
         device=dev,
         dtype=torch_dtype,
         max_context=_max_context(lm.config, tokenizer),

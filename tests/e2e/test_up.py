@@ -141,10 +141,14 @@ def test_up_refused_a_realtime_priority_says_so_once_and_serves(tmp_path: Path) 
 
 
 def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp_path: Path) -> None:
+    """The file's model reaches the sim workers too, served under its directory's name as a
+    real engine serves it: they advertised its full path."""
     port = free_port()
+    model = tmp_path / "models" / "my-llama"
+    model.mkdir(parents=True)
     config = tmp_path / "slogate.yaml"
-    config.write_text(f"port: {port}\napi_keys:\n  - {{id: payments, sha256: {hash_key('sk-pay')}}}\n")
-    score = json.dumps({"model": "slogate-sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    config.write_text(f"port: {port}\nmodel: {model}\napi_keys:\n  - {{id: payments, sha256: {hash_key('sk-pay')}}}\n")
+    score = json.dumps({"model": "my-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
 
     def post(key: str | None) -> int:
         headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -159,6 +163,9 @@ def test_up_gives_its_config_file_to_every_process_and_keeps_the_audit_trail(tmp
         wait_ready(up, port, 60)
         assert post(None) == 401, "the gateway started by up reads the api_keys of the file given to up"
         assert post("sk-pay") == 200
+        status, body = http_get(f"http://127.0.0.1:{port}/v1/models", "sk-pay")
+        assert status == 200 and [(m["id"], sorted(m["pools"])) for m in json.loads(body)["data"]] == [
+            ("my-llama", ["batch", "interactive"])], body
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     export = subprocess.run([sys.executable, "-m", "slogate.cli", "--config", str(config), "audit-export"],
