@@ -135,9 +135,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def served_model_id(model: str) -> str:
     """The id a worker serving ``model`` advertises (``/v1/models``, its heartbeat): a local
     directory's name, a hub id as given. Every engine uses it, the sim one too, so that the pools
-    of one ``slogate up --model DIR`` advertise one model, not a name and a path."""
-    path = Path(model)
-    return path.name if path.is_dir() else model
+    of one ``slogate up --model DIR`` advertise one model, not a name and a path. The path is made
+    absolute first (symlinks kept as named): ``.`` or ``..`` has no name of its own."""
+    return Path(os.path.abspath(model)).name if Path(model).is_dir() else model
 
 
 def missing_model_dir(model: str) -> str | None:
