@@ -135,16 +135,21 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def served_model_id(model: str) -> str:
     """The id a worker serving ``model`` advertises (``/v1/models``, its heartbeat): a local
     directory's name, a hub id as given. Every engine uses it, the sim one too, so that the pools
-    of one ``slogate up --model DIR`` advertise one model, not a name and a path. The path is made
-    absolute first (symlinks kept as named): ``.`` or ``..`` has no name of its own."""
-    return Path(os.path.abspath(model)).name if Path(model).is_dir() else model
+    of one ``slogate up --model DIR`` advertise one model, not a name and a path. A name written as
+    a path is one whether or not this host has it (a sim worker of a compose stack need not), and
+    is made absolute first (symlinks kept as named): ``.`` or ``..`` has no name of its own."""
+    return Path(os.path.abspath(model)).name if _written_as_path(model) or Path(model).is_dir() else model
+
+
+def _written_as_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../")) or model in (".", "..")
 
 
 def missing_model_dir(model: str) -> str | None:
     """Why a model named as a path (``/``, ``./``, ``../``) cannot load: it does not exist, and is
     no hub id to look up either. None for any other name. Torch-free, so that a worker says it
     before it starts an engine process, which spends seconds importing torch to find it out."""
-    if model.startswith(("/", "./", "../")) and not Path(model).exists():
+    if _written_as_path(model) and not Path(model).exists():
         return f"model directory '{model}' does not exist"
     return None
 

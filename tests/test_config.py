@@ -145,4 +145,5 @@ def test_a_model_directory_is_served_under_its_name_and_a_hub_id_as_given(tmp_pa
     monkeypatch.chdir(tmp_path / "models" / "my-llama")
     assert served_model_id(".") == "my-llama"
     assert served_model_id("..") == "models"
+    assert served_model_id("/models/not-on-this-host") == "not-on-this-host"
     assert served_model_id("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
