@@ -246,19 +246,20 @@ def make_app(cfg: Config) -> web.Application:
     return app
 
 
-def commands_redis(url: str) -> aioredis.Redis:
+def commands_redis(url: str, timeout_s: float) -> aioredis.Redis:
     """The client for the gateway's commands, which retries none: a pipeline whose reply was
     lost may have run (an XADD queued a request, a stream slot taken), and sent again it would
     run twice, the request for two workers. Its caller gets the error (a 503 to retry). This is
-    what ``from_url`` gives in redis-py 8.1, said outright, since ``Redis()`` retries 10 times."""
-    return aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2, socket_timeout=5,
+    what ``from_url`` gives in redis-py 8.1, said outright, since ``Redis()`` retries 10 times.
+    Its reads time out after ``timeout_s`` (``Config.redis_timeout_s``)."""
+    return aioredis.Redis.from_url(url, max_connections=64, socket_connect_timeout=2, socket_timeout=timeout_s,
                                    health_check_interval=10, retry=Retry(NoBackoff(), 0))
 
 
 def _resources(cfg: Config):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         url = cfg.redis_url or DEFAULT_REDIS_URL
-        commands = commands_redis(url)
+        commands = commands_redis(url, cfg.redis_timeout_s)
         reader = aioredis.Redis.from_url(url, single_connection_client=True,
                                          socket_connect_timeout=2, socket_timeout=None, **redis_keepalive(url))
         batcher = CommandBatcher(commands)

@@ -222,9 +222,9 @@ class WorkerDirectory:
     @property
     def redis_ok(self) -> bool:
         """Whether the last read of the fleet succeeded and none has been waiting for Redis
-        longer than ``STALE_AFTER_S``: a frozen Redis fails no read until the client's socket
-        timeout (5 s), and until then the gateway would say it is ready and queue requests
-        nobody can take."""
+        longer than ``STALE_AFTER_S``: a frozen Redis fails no read until the commands' read
+        timeout (``redis_timeout_s``, 5 s by default), and until then the gateway would say it
+        is ready and queue requests nobody can take."""
         since = self._reading_since
         return self._read_ok and (since is None or time.monotonic() - since <= STALE_AFTER_S)
 

@@ -55,6 +55,11 @@ def _default_pools() -> dict[str, PoolConfig]:
 class Config(msgspec.Struct, forbid_unknown_fields=True):
     redis_url: str | None = None
     """Unset: ``slogate up`` starts a private redis-server under ``state_dir``."""
+    redis_timeout_s: float = 5.0
+    """How long the gateway waits for Redis to answer a command (its result reader's blocking
+    read has no timeout: ``redis_keepalive``). A Redis that hangs fails each command after this
+    long (a request being queued: a 503), and holds a stopping gateway's exit as long on its last
+    clean-ups."""
     host: str = "0.0.0.0"
     port: int = 8000
     state_dir: str = ".slogate"
@@ -261,7 +266,7 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_n", "max_streams_per_key", "max_body_bytes",
-                "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
+                "redis_timeout_s", "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
                 "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s",
                 "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
     for key in positive:

@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from gateway.app import commands_redis
 from gateway.batcher import CommandBatcher
 from slogate import keys
+from slogate.config import Config
 from slogate.local_redis import LocalRedis
 from tests.redis_relay import Relay
 
@@ -19,7 +20,7 @@ from tests.redis_relay import Relay
 async def test_a_queued_request_whose_reply_is_lost_is_queued_once(redis_server: LocalRedis, redis_url: str) -> None:
     queue = keys.queue("p")
     relay = await Relay(redis_server.port, drop_reply_to=queue.encode()).start()
-    commands = commands_redis(relay.url)
+    commands = commands_redis(relay.url, Config().redis_timeout_s)
     client = aioredis.Redis.from_url(redis_url)
     batcher = CommandBatcher(commands)
     try:

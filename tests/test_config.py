@@ -1,8 +1,11 @@
 import io
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.app import make_app
 from gateway.auth import KeyStore
+from gateway.state import STATE
 from slogate.cli import main
 from slogate.config import ApiKeyConfig, ConfigError, load_config, redacted, served_model_id, unknown_variables
 
@@ -32,6 +35,7 @@ def test_yaml_then_env_then_overrides(tmp_path) -> None:
     ("engine_stall_s: 0\n", "engine_stall_s"),
     ("engine_stall_s: 4\n", "stall_pause_s: must be below engine_stall_s"),
     ("workerless_grace_s: 0\n", "workerless_grace_s"),
+    ("redis_timeout_s: 0\n", "redis_timeout_s"),
     ("policies:\n  routing:\n    pools: {batch: [bulk]}\n", "policies.routing.pools.batch: pool 'bulk'"),
     ("policies:\n  routing:\n    interactive_spill: [nope]\n", "policies.routing.interactive_spill: pool 'nope'"),
 ])
@@ -40,6 +44,14 @@ def test_bad_values_name_the_key(tmp_path, yaml_text: str, key: str) -> None:
     path.write_text(yaml_text)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(path, env={})
+
+
+async def test_the_gateway_waits_for_redis_as_long_as_its_setting_says(redis_url: str) -> None:
+    """Its commands' read timeout was fixed at 5 s: what a Redis that hangs costs each request,
+    and a stopping gateway's exit on its last clean-ups."""
+    app = make_app(load_config(env={"SLOGATE_REDIS_URL": redis_url, "SLOGATE_REDIS_TIMEOUT_S": "1.5"}))
+    async with TestClient(TestServer(app)):
+        assert app[STATE].redis.connection_pool.connection_kwargs["socket_timeout"] == 1.5
 
 
 def test_bad_env_value_names_the_variable() -> None:
@@ -89,7 +101,8 @@ def test_slogate_variables_nothing_reads_are_named() -> None:
     assert unknown_variables(env) == ["SLOGATE_PORTT"]
 
 
-@pytest.mark.parametrize("name", ["max_timeout_s", "client_timeout_s", "heartbeat_ttl_s", "workerless_grace_s"])
+@pytest.mark.parametrize("name", ["max_timeout_s", "client_timeout_s", "heartbeat_ttl_s", "workerless_grace_s",
+                                  "redis_timeout_s"])
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_setting_that_is_not_a_finite_number_is_refused(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):

@@ -12,7 +12,7 @@ from gateway.app import commands_redis
 from gateway.batcher import CommandBatcher
 from gateway.results import QUIET, ResultMux
 from slogate import protocol
-from slogate.config import redis_keepalive
+from slogate.config import Config, redis_keepalive
 from slogate.crypto import Sealer
 from slogate.protocol import Delta, Error, Final
 from slogate.tasks import cancel_and_wait
@@ -81,7 +81,8 @@ async def test_the_reader_stops_when_cancelled_as_it_starts_a_read(redis_url: st
 async def test_a_redis_that_comes_back_within_the_grace_loses_no_request(own_redis) -> None:
     """A dropped connection or a restart: the reader picks up where it was, and the waiting
     requests go on; only an outage longer than the grace fails them (503)."""
-    client = commands_redis(own_redis.tcp_url)  # over TCP a closed connection shows only when used
+    # Over TCP a closed connection shows only when used.
+    client = commands_redis(own_redis.tcp_url, Config().redis_timeout_s)
     writer = aioredis.Redis.from_url(own_redis.url)
     reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
     batcher = CommandBatcher(client)
@@ -218,7 +219,7 @@ async def replace_with_lower_ids(client: aioredis.Redis, key: str, request_id: b
 async def test_after_a_failover_the_reader_reads_the_new_stream_from_its_start(own_redis) -> None:
     """Entries the new primary wrote before its clock passed the last id read, then after: the
     reader read the later ones only, and the request lost the text between."""
-    client = commands_redis(own_redis.url)
+    client = commands_redis(own_redis.url, Config().redis_timeout_s)
     reader_client = aioredis.Redis.from_url(own_redis.url, single_connection_client=True)
     mux = ResultMux(reader_client, CommandBatcher(client), Sealer(), block_ms=50, redis_grace_s=30.0)
     sub = mux.subscribe("s")
