@@ -23,8 +23,8 @@ from tests.e2e.test_failures import running, wait_for
 SCORE = {"model": MODEL, "messages": [{"role": "user", "content": "score txn 3"}], "max_tokens": 4}
 
 
-def stack_on(server: LocalRedis, decode_base_s: float = 0.001) -> Stack:
-    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
+def stack_on(server: LocalRedis, decode_base_s: float = 0.001, **env: str) -> Stack:
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", **env})
     stack.gateway()
     for pool in ("interactive", "batch"):
         stack.worker(pool, "sim", f"decode_base_s={decode_base_s}", "decode_s_per_seq=0")
@@ -490,8 +490,9 @@ def stops_on_sigterm(proc: subprocess.Popen, within_s: float) -> None:
 def test_a_gateway_told_to_stop_while_redis_hangs_exits(own_redis: LocalRedis) -> None:
     """Redis frozen (SIGSTOP: a hung host, a stalled VM), nothing in flight: the last clean-up
     went through the result reader's connection, which has no read timeout, and over the Unix
-    socket nothing ever broke it: the gateway never exited."""
-    stack = stack_on(own_redis)
+    socket nothing ever broke it: the gateway never exited. Its commands wait a second for
+    Redis (``redis_timeout_s``), the time its last clean-ups take here."""
+    stack = stack_on(own_redis, SLOGATE_REDIS_TIMEOUT_S="1")
     gateway = stack.procs[0]
     try:
         own_redis.proc.send_signal(signal.SIGSTOP)
@@ -506,8 +507,11 @@ async def test_a_gateway_told_to_stop_while_redis_hangs_exits_though_cancels_wer
         own_redis: LocalRedis, tmp_path: Path) -> None:
     """Two clients left while Redis hung: each cancel was sent again every second until its
     request's deadline (ten minutes here), and those retries, one always on its way, held the
-    gateway's exit as long. Each is sent once more, and what Redis did not take is said once."""
-    stack = Stack(own_redis.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"}, log_dir=tmp_path / "logs")
+    gateway's exit as long. Each is sent once more, and what Redis did not take is said once.
+    Each try waits 2 s for Redis (``redis_timeout_s``), then 1 s for the next: a cancel is on
+    its way 2 s of each 3, and the second's, 1.5 s behind the first's, covers the first's pauses."""
+    stack = Stack(own_redis.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_REDIS_TIMEOUT_S": "2"},
+                  log_dir=tmp_path / "logs")
     gateway = stack.gateway()
     stack.worker("interactive", "sim", "decode_base_s=0.02", "decode_s_per_seq=0")
     stack.wait_models(MODEL)
@@ -521,8 +525,8 @@ async def test_a_gateway_told_to_stop_while_redis_hangs_exits_though_cancels_wer
             own_redis.proc.send_signal(signal.SIGSTOP)
             for r in streams:  # a retry of one is always on its way when the other's is due
                 r.close()
-                await asyncio.sleep(2.5)
-        await asyncio.sleep(3.0)  # both failed once (the commands' read timeout is 5 s), and wait for a retry
+                await asyncio.sleep(1.5)
+        await asyncio.sleep(1.0)  # both failed once: the first's second try is on its way, the second waits for one
         stops_on_sigterm(gateway, 40)
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
