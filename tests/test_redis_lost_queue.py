@@ -112,14 +112,14 @@ async def test_a_choice_lost_from_the_queue_fails_its_request_though_the_worker_
 
 
 async def test_a_worker_that_beats_slower_than_the_gateway_expects_keeps_what_it_runs(own_redis) -> None:
-    """The worker beats each 4 s, for 10 s, where the gateway's own setting says each 0.2 s, for 1 s:
+    """The worker beats each 3 s, for 7.5 s, where the gateway's own setting says each 0.2 s, for 1 s:
     its first heartbeat after the restart comes well past the gateway's TTL, and the request it
     runs, not streamed, has heard nothing by then. It is answered; the one lost from the queue
     still ends with a 503."""
-    async with running_and_queued(own_redis.url, 240, beat_s=4.0, beat_ttl_s=10.0) as line:  # 12 s of decode
+    async with running_and_queued(own_redis.url, 160, beat_s=3.0, beat_ttl_s=7.5) as line:  # 8 s of decode
         client = aioredis.Redis.from_url(own_redis.url)
         beat = keys.heartbeat("interactive", line.worker.s.worker_id)
-        while await client.pttl(beat) < 9_800:  # restart just after a beat: the next one is 4 s away
+        while await client.pttl(beat) < 7_300:  # restart just after a beat: the next one is 3 s away
             await asyncio.sleep(0.01)
         await client.aclose()
         own_redis.stop()
@@ -129,7 +129,7 @@ async def test_a_worker_that_beats_slower_than_the_gateway_expects_keeps_what_it
         assert (await lost.json())["error"]["code"] == "redis_unavailable"
         answered = await asyncio.wait_for(line.taken, 30)
         assert answered.status == 200, await answered.text()
-        assert (await answered.json())["usage"]["completion_tokens"] == 240
+        assert (await answered.json())["usage"]["completion_tokens"] == 160
 
 
 async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis) -> None:
@@ -146,12 +146,12 @@ async def test_a_replica_that_lagged_behind_a_heartbeat_does_not_vouch_for_what_
     """Redis failed over to a replica that lagged: it holds the worker's heartbeat from before it
     took the running request, which the gateway has seen a newer one of. Read as what the
     worker holds, it had the running request failed with a 503 while the worker ran it. The
-    worker beats each 4 s, for 10 s: its next beat comes well past the gateway's TTL of 1 s."""
-    async with one_at_a_time(own_redis.url, beat_s=4.0, beat_ttl_s=10.0) as line:
+    worker beats each 3 s, for 7.5 s: its next beat comes well past the gateway's TTL of 1 s."""
+    async with one_at_a_time(own_redis.url, beat_s=3.0, beat_ttl_s=7.5) as line:
         client = aioredis.Redis.from_url(own_redis.url)
         beat = keys.heartbeat("interactive", line.worker.s.worker_id)
         stale = await client.get(beat)  # holds nothing yet
-        taken = line.send(240)  # 12 s of decode
+        taken = line.send(160)  # 8 s of decode
         while not line.worker.inflight:
             await asyncio.sleep(0.01)
         queued = line.send(4)
@@ -163,7 +163,7 @@ async def test_a_replica_that_lagged_behind_a_heartbeat_does_not_vouch_for_what_
         own_redis.stop()
         own_redis.start()
         client = aioredis.Redis.from_url(own_redis.url)
-        await client.set(beat, stale, px=9_000)  # what the replica had of it
+        await client.set(beat, stale, px=6_500)  # what the replica had of it
         await client.sadd(keys.WORKERS, beat)
         await client.aclose()
         lost = await asyncio.wait_for(queued, 30)
@@ -171,4 +171,4 @@ async def test_a_replica_that_lagged_behind_a_heartbeat_does_not_vouch_for_what_
         assert (await lost.json())["error"]["code"] == "redis_unavailable"
         answered = await asyncio.wait_for(taken, 30)
         assert answered.status == 200, await answered.text()
-        assert (await answered.json())["usage"]["completion_tokens"] == 240
+        assert (await answered.json())["usage"]["completion_tokens"] == 160
