@@ -17,8 +17,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
+from gateway import results
 from gateway.app import make_app
-from gateway.results import ALIVE_TTL_S
 from gateway.state import STATE
 from slogate import keys, protocol
 from slogate.config import Config
@@ -132,11 +132,13 @@ async def test_a_worker_that_beats_slower_than_the_gateway_expects_keeps_what_it
         assert (await answered.json())["usage"]["completion_tokens"] == 160
 
 
-async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis) -> None:
+async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis, monkeypatch) -> None:
     """The alive key expired (the gateway's loop stalled, or Redis refused its renewals while out
-    of memory) though Redis lost nothing: a request still queued behind a running one is served."""
-    async with running_and_queued(own_redis.url, 160) as line:  # 8 s of decode
-        time.sleep(ALIVE_TTL_S + 0.5)  # the whole loop stalls: the alive key expires, the queue stays
+    of memory) though Redis lost nothing: a request still queued behind a running one is served.
+    The key lives 2 s here, not 5 s: renewed each second, it still outlives the gap between two."""
+    monkeypatch.setattr(results, "ALIVE_TTL_S", 2)
+    async with running_and_queued(own_redis.url, 100) as line:  # 5 s of decode
+        time.sleep(results.ALIVE_TTL_S + 0.5)  # the whole loop stalls: the alive key expires, the queue stays
         served = await asyncio.wait_for(line.queued, 30)
         assert served.status == 200, await served.text()
         assert (await asyncio.wait_for(line.taken, 30)).status == 200
