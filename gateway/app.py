@@ -264,8 +264,9 @@ def _resources(cfg: Config):
                                          socket_connect_timeout=2, socket_timeout=None, **redis_keepalive(url))
         batcher = CommandBatcher(commands)
         sealer = Sealer.from_text(cfg.encryption_keys)
+        mux = ResultMux(reader, batcher, sealer, keep_alive_s=cfg.sse_keep_alive_s, redis_grace_s=cfg.redis_grace_s)
         state = GatewayState(
-            cfg, commands, batcher, ResultMux(reader, batcher, sealer, keep_alive_s=cfg.sse_keep_alive_s),
+            cfg, commands, batcher, mux,
             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s, cfg.heartbeat_ttl_s), GatewayMetrics(),
             AdmissionController(cfg.policies), KeyStore(cfg.api_keys), RateLimiter(commands), sealer,
             AuditLog(batcher, cfg.audit_max_entries))

@@ -28,11 +28,6 @@ from slogate.protocol import Error, Result
 
 log = logging.getLogger("slogate.gateway")
 
-REDIS_GRACE_S = 3.0
-"""How long the reader retries a Redis it cannot read before it fails every waiting request: a
-dropped connection or a restart is over by then, and the requests go on where they were
-(records carry their offsets, so one lost on the way is a 502, never a hole in the text)."""
-
 ALIVE_TTL_S = 5
 """How long a gateway's ``alive`` key outlives its last renewal: the longest a crashed
 gateway's requests keep running on the workers, plus their two checks a second apart."""
@@ -94,7 +89,7 @@ class Loss:
 class ResultMux:
     def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, sealer: Sealer,
                  block_ms: int = 1000, count: int = 1024, trim_every_s: float = 1.0,
-                 keep_alive_s: float = 15.0, redis_grace_s: float = REDIS_GRACE_S) -> None:
+                 keep_alive_s: float = 15.0, redis_grace_s: float = 3.0) -> None:
         self.redis = redis
         self.batcher = batcher
         self.sealer = sealer

@@ -60,6 +60,11 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     read has no timeout: ``redis_keepalive``). A Redis that hangs fails each command after this
     long (a request being queued: a 503), and holds a stopping gateway's exit as long on its last
     clean-ups."""
+    redis_grace_s: float = 3.0
+    """How long the gateway's result reader retries a Redis it cannot read before it fails every
+    waiting request with a 503: a dropped connection or a restart is over by then, and the
+    requests go on where they were (records carry their offsets, so one lost on the way is a
+    502, never a hole in the text)."""
     host: str = "0.0.0.0"
     port: int = 8000
     state_dir: str = ".slogate"
@@ -266,9 +271,10 @@ def _convert(raw: Any, kind: type, prefix: str) -> Any:
 
 def _check_ranges(cfg: Config) -> None:
     positive = ["port", "audit_max_entries", "max_messages", "max_n", "max_streams_per_key", "max_body_bytes",
-                "redis_timeout_s", "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
+                "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
                 "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s",
-                "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s"]
+                "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s", "redis_timeout_s",
+                "redis_grace_s"]
     for key in positive:
         if not 0 < getattr(cfg, key) < math.inf:  # NaN too, which every comparison lets through
             raise ConfigError(f"{key}: must be a positive finite number, got {getattr(cfg, key)}")

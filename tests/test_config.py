@@ -36,6 +36,7 @@ def test_yaml_then_env_then_overrides(tmp_path) -> None:
     ("engine_stall_s: 4\n", "stall_pause_s: must be below engine_stall_s"),
     ("workerless_grace_s: 0\n", "workerless_grace_s"),
     ("redis_timeout_s: 0\n", "redis_timeout_s"),
+    ("redis_grace_s: -1\n", "redis_grace_s"),
     ("policies:\n  routing:\n    pools: {batch: [bulk]}\n", "policies.routing.pools.batch: pool 'bulk'"),
     ("policies:\n  routing:\n    interactive_spill: [nope]\n", "policies.routing.interactive_spill: pool 'nope'"),
 ])
@@ -46,12 +47,15 @@ def test_bad_values_name_the_key(tmp_path, yaml_text: str, key: str) -> None:
         load_config(path, env={})
 
 
-async def test_the_gateway_waits_for_redis_as_long_as_its_setting_says(redis_url: str) -> None:
-    """Its commands' read timeout was fixed at 5 s: what a Redis that hangs costs each request,
-    and a stopping gateway's exit on its last clean-ups."""
-    app = make_app(load_config(env={"SLOGATE_REDIS_URL": redis_url, "SLOGATE_REDIS_TIMEOUT_S": "1.5"}))
+async def test_the_gateway_waits_for_redis_as_long_as_its_settings_say(redis_url: str) -> None:
+    """Both were fixed: its commands' read timeout at 5 s (what a Redis that hangs costs each
+    command, and a stopping gateway's exit on its last clean-ups) and its result reader's
+    grace at 3 s (how long the waiting requests outlive a Redis it cannot read)."""
+    app = make_app(load_config(env={"SLOGATE_REDIS_URL": redis_url, "SLOGATE_REDIS_TIMEOUT_S": "1.5",
+                                    "SLOGATE_REDIS_GRACE_S": "2.5"}))
     async with TestClient(TestServer(app)):
         assert app[STATE].redis.connection_pool.connection_kwargs["socket_timeout"] == 1.5
+        assert app[STATE].mux.redis_grace_s == 2.5
 
 
 def test_bad_env_value_names_the_variable() -> None:
@@ -102,7 +106,7 @@ def test_slogate_variables_nothing_reads_are_named() -> None:
 
 
 @pytest.mark.parametrize("name", ["max_timeout_s", "client_timeout_s", "heartbeat_ttl_s", "workerless_grace_s",
-                                  "redis_timeout_s"])
+                                  "redis_timeout_s", "redis_grace_s"])
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_setting_that_is_not_a_finite_number_is_refused(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):

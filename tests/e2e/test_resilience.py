@@ -40,7 +40,7 @@ async def post(stack: Stack, body: dict, timeout: float = 10) -> int:
 
 
 async def test_redis_outage_gives_503_then_recovers(own_redis: LocalRedis) -> None:
-    stack = stack_on(own_redis, decode_base_s=0.02)
+    stack = stack_on(own_redis, decode_base_s=0.02, SLOGATE_REDIS_GRACE_S="1")  # requests fail 1 s into an outage
     try:
         assert await post(stack, SCORE) == 200
         in_flight = asyncio.create_task(post(stack, {**SCORE, "max_tokens": 100}))
@@ -396,7 +396,7 @@ async def test_a_request_ended_during_an_outage_is_stopped_once_redis_is_back(tm
     """Its cancel could not reach Redis, and the worker would have run it to its end for
     nobody (its gateway is alive, so the gone-gateway check does not fire)."""
     own_redis = LocalRedis(tmp_path / "redis", persist=True).start()
-    stack = stack_on(own_redis, decode_base_s=0.02)
+    stack = stack_on(own_redis, decode_base_s=0.02, SLOGATE_REDIS_GRACE_S="1")  # requests fail 1 s into an outage
     client = redis.Redis.from_url(own_redis.url)
     try:
         async with aiohttp.ClientSession() as s:
@@ -423,7 +423,7 @@ async def test_a_request_ended_during_an_outage_is_stopped_once_redis_is_back(tm
 
 async def test_a_redis_outage_does_not_show_clients_where_redis_is(own_redis: LocalRedis) -> None:
     """redis-py's errors name the host and port or socket path: the operator's to know."""
-    stack = stack_on(own_redis, decode_base_s=0.02)
+    stack = stack_on(own_redis, decode_base_s=0.02, SLOGATE_REDIS_GRACE_S="1")  # requests fail 1 s into an outage
     where = own_redis.url.split("://", 1)[1].split("?")[0]
 
     async def ask(body: dict) -> tuple[int, str]:
