@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis.asyncio as aioredis
 
+from engines import worker
 from engines.sim import create
 from engines.worker import INTAKE_BLOCK_MS, READ_TIMEOUT_S, Worker, WorkerSettings, worker_redis
 from slogate import keys, protocol
@@ -34,11 +36,14 @@ async def served(client: aioredis.Redis, request_id: str, within_s: float) -> bo
     return False
 
 
-async def test_a_worker_whose_connections_go_silent_reconnects_and_serves(redis_server: LocalRedis,
-                                                                         redis_url: str) -> None:
+async def test_a_worker_whose_connections_go_silent_reconnects_and_serves(redis_server: LocalRedis, redis_url: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its reads time out after 1.5 s here, not 5 s: still past the intake's block."""
+    monkeypatch.setattr(worker, "READ_TIMEOUT_S", 1.5)
     relay = await Relay(redis_server.port).start()
     client = aioredis.Redis.from_url(redis_url)
     worker_client = worker_redis(relay.url)
+    assert worker_client.connection_pool.connection_kwargs["socket_timeout"] == 1.5 > INTAKE_BLOCK_MS / 1000
     task = asyncio.create_task(Worker(create(decode_base_s=0), worker_client, WorkerSettings(pool="p")).run())
     try:
         assert await served(client, "before", 10)
