@@ -32,7 +32,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.ratelimit import RateLimiter
 from gateway.results import ResultMux
-from gateway.state import STATE, GatewayState
+from gateway.state import AUDIT, COUNTED, REQUEST_ID, STATE, STREAM_ERROR, GatewayState
 from gateway.workers import WorkerDirectory
 from policies.admission import AdmissionController
 from slogate import logs, tracing
@@ -54,8 +54,8 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
     that left, a failure) carry its trace."""
     given = request.headers.get("x-request-id")
     request_id = given if given and _CLIENT_ID.match(given) else os.urandom(16).hex()
-    request["request_id"] = request_id
-    request["audit"] = {}
+    request[REQUEST_ID] = request_id
+    request[AUDIT] = {}
     logs.request_id.set(request_id)
     started = time.time()
     traced = request.path in _AUDITED
@@ -88,7 +88,7 @@ async def edge(request: web.Request, handler) -> web.StreamResponse:
         if not resp.prepared:
             resp.headers["x-request-id"] = request_id
         tracing.set_http_status(span, resp.status)
-        if (failed := request.get("stream_error")) is not None:
+        if (failed := request.get(STREAM_ERROR)) is not None:
             tracing.set_stream_error(span, failed.status, failed.code)
     _audit(request, started, resp.status)
     return resp
@@ -112,7 +112,7 @@ def _ended(request: web.Request, started: float, span: Span | None, status: int,
     tracing.set_http_status(span, status)
     if request.path in _AUDITED:  # a scrape of /metrics that timed out is no refused completion
         _count_unqueued(request, status, code)
-    request["audit"].setdefault("outcome", code)
+    request[AUDIT].setdefault("outcome", code)
     _audit(request, started, status)
 
 
@@ -120,7 +120,7 @@ def _count_unqueued(request: web.Request, status: int, code: str | None) -> None
     """A request that ended before it was queued, whatever ended it (a refusal, a client that
     left, a failure of the gateway's), in ``slogate_rejected_requests_total``: one queued is in
     ``slogate_requests_total`` by its outcome, so that every request is in one of the two."""
-    if not request.get("counted"):
+    if not request.get(COUNTED):
         request.app[STATE].metrics.rejected.labels(str(status), code or "").inc()
 
 
@@ -138,7 +138,7 @@ def _audit(request: web.Request, started: float, status: int) -> None:
     """Every completion request goes into the audit trail, whatever became of it: a client that
     leaves mid-answer is recorded with what it was sent (``outcome`` says how it ended)."""
     if request.path in _AUDITED:
-        request.app[STATE].audit.write(request["request_id"], started, status, request["audit"])
+        request.app[STATE].audit.write(request[REQUEST_ID], started, status, request[AUDIT])
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> APIError:

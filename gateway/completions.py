@@ -26,7 +26,7 @@ from gateway.errors import (
 )
 from gateway.relay import Relay, SplicedOutput
 from gateway.results import QUIET, Subscription
-from gateway.state import STATE, GatewayState
+from gateway.state import AUDIT, COUNTED, REQUEST_ID, STATE, STREAM_ERROR, GatewayState
 from policies.admission import Decision, deadline_for
 from policies.classify import UnknownClass, classify
 from policies.prompt_tokens import prior_estimate
@@ -161,15 +161,15 @@ async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.S
     arrived = time.time()
     with tracing.span("validate"):
         caller = state.keys.for_request(request.headers)
-        request["audit"]["key"] = caller.key_id
+        request[AUDIT]["key"] = caller.key_id
         body = await _read_body(request, state.cfg.max_body_bytes, state.cfg.client_timeout_s)
         parsed = schema.parse(kind, body, state.cfg.default_max_tokens, state.cfg.max_messages, state.cfg.max_n)
-        request["audit"]["model"] = parsed.model
+        request[AUDIT]["model"] = parsed.model
         state.keys.check_model(caller, parsed.model)
         _check_model(state, parsed, caller)
         cls, reason = _classify(state, parsed, caller, request.headers.get(CLASS_HEADER))
         deadline = _deadline(request, arrived, cls, state)
-    request["audit"]["cls"] = cls
+    request[AUDIT]["cls"] = cls
     async with contextlib.AsyncExitStack() as held:
         with tracing.span("admit", **{"slogate.class": cls}) as span:
             try:
@@ -181,11 +181,11 @@ async def _handle(request: web.Request, state: GatewayState, kind: str) -> web.S
                 decision = await admit(state, parsed, cls, deadline, caller.key_id)
             except APIError as err:  # a refusal's trail says why, as an admitted request's does
                 if err.headers and "x-slogate-reason" in err.headers:
-                    request["audit"]["decision"] = err.headers["x-slogate-reason"]
+                    request[AUDIT]["decision"] = err.headers["x-slogate-reason"]
                 raise
             if span is not None:
                 span.set_attributes({"slogate.pool": decision.pool, "slogate.decision": decision.reason})
-        request["audit"].update(pool=decision.pool, decision=decision.reason)
+        request[AUDIT].update(pool=decision.pool, decision=decision.reason)
         return await _run(request, state, parsed, cls, reason, decision, arrived, deadline)
 
 
@@ -197,16 +197,16 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         id=request_id, model=parsed.model, pool=pool, cls=cls, sampling=parsed.sampling,
         deadline=deadline, enqueued_at=time.time(), reply=state.mux.key, prompt=parsed.prompt,
         messages=parsed.messages, tools=parsed.tools, stream=parsed.stream, trace=tracing.inject(),
-        alive=state.mux.alive, request_id=request["request_id"])
+        alive=state.mux.alive, request_id=request[REQUEST_ID])
     headers = {"x-slogate-class": cls, "x-slogate-reason": reason, "x-slogate-pool": pool,
                "x-slogate-admission": decision.reason}
     jobs = [_Job(state, parsed, choice, state.mux.subscribe(choice.id, parsed.stream, pool), arrived, headers,
-                 decision.epoch, decision.breaker_probe, request["audit"]["key"], index=i)
+                 decision.epoch, decision.breaker_probe, request[AUDIT]["key"], index=i)
             for i, choice in enumerate(choices.fan_out(gen, parsed.n))]
     for job, busy_until in zip(jobs, decision.slot_ends or [time.time()] * len(jobs)):
         job.slot = state.directory.own.start(pool, busy_until)
-    request["counted"] = True  # in slogate_requests_total by its outcome, not as refused before queueing
-    request["audit"]["id"] = shapes.response_id(parsed.kind, request_id)
+    request[COUNTED] = True  # in slogate_requests_total by its outcome, not as refused before queueing
+    request[AUDIT]["id"] = shapes.response_id(parsed.kind, request_id)
     state.in_flight += 1
     state.metrics.in_flight.inc()
     try:
@@ -240,7 +240,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         state.metrics.in_flight.dec()
         whole = jobs[0] if len(jobs) == 1 else choices.as_one(jobs)
         _observe(whole, () if len(jobs) == 1 else jobs)
-        request["audit"].update(outcome=whole.outcome, prompt_tokens=whole.prompt_tokens,
+        request[AUDIT].update(outcome=whole.outcome, prompt_tokens=whole.prompt_tokens,
                                 completion_tokens=whole.completion_tokens, **_timings(whole))
 
 
@@ -528,7 +528,7 @@ async def _stream(request: web.Request, jobs: list[_Job], source: Subscription |
     async def start() -> web.StreamResponse:
         resp = web.StreamResponse(headers={
             **job.headers, "content-type": "text/event-stream", "cache-control": "no-cache",
-            "x-request-id": request["request_id"], "x-accel-buffering": "no"})
+            "x-request-id": request[REQUEST_ID], "x-accel-buffering": "no"})
         await resp.prepare(request)
         if parsed.kind == "chat":
             out.extend(c.role() for c in chunks)
@@ -575,7 +575,7 @@ async def _stream(request: web.Request, jobs: list[_Job], source: Subscription |
     except APIError as err:
         if resp is None:  # nothing sent yet: the error is the answer, with its own status
             raise
-        request["stream_error"] = err  # for the request's span, whose status says 200
+        request[STREAM_ERROR] = err  # for the request's span, whose status says 200
         out.append(shapes.sse_error(err.body()))
     out.append(shapes.DONE)
     await _end(request, resp, b"".join(out), job.state.cfg.client_timeout_s)

@@ -77,9 +77,8 @@ def acl_refused(refusal: str) -> str:
 
 
 DECODED_CODINGS = ("gzip", "deflate", *(("br",) if compression_utils.HAS_BROTLI else ()),
-                   *(("zstd",) if getattr(compression_utils, "HAS_ZSTD", False) else ()))
-"""The Content-Encodings aiohttp decodes: one of these, never a list of them. An aiohttp before
-3.12 (the pyproject allows 3.9) knows no zstd, nor its flag."""
+                   *(("zstd",) if compression_utils.HAS_ZSTD else ()))
+"""The Content-Encodings aiohttp decodes: one of these, never a list of them."""
 
 
 def unsupported_encoding(coding: str | None) -> APIError:

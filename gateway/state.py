@@ -14,7 +14,7 @@ from aiohttp import web
 from gateway.audit import AuditLog
 from gateway.auth import KeyStore
 from gateway.batcher import CommandBatcher
-from gateway.errors import acl_refused
+from gateway.errors import APIError, acl_refused
 from gateway.holds import HoldLine
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter
@@ -187,3 +187,11 @@ class GatewayState:
 CANCEL_RETRY_S = 1.0
 
 STATE = web.AppKey("state", GatewayState)
+
+REQUEST_ID = web.RequestKey("request_id", str)
+AUDIT = web.RequestKey("audit", dict[str, Any])
+"""What the request's audit record says beyond its status: filled in as the request goes."""
+COUNTED = web.RequestKey("counted", bool)
+"""Queued, so counted in ``slogate_requests_total`` by its outcome and not as refused."""
+STREAM_ERROR = web.RequestKey("stream_error", APIError)
+"""An error sent inside a stream whose status already said 200, for the request's span."""

@@ -11,6 +11,7 @@ import pytest
 from gateway.completions import _Job, _observe
 from gateway.metrics import GatewayMetrics
 from gateway.schema import ParsedRequest
+from gateway.state import REQUEST_ID
 from policies.admission import AdmissionController
 from policies.config import load
 from slogate.protocol import Final, GenerateRequest, SamplingParams
@@ -346,5 +347,5 @@ def _http_request(writer: object = None):
     from aiohttp.test_utils import make_mocked_request
 
     request = make_mocked_request("POST", "/v1/chat/completions", **({"writer": writer} if writer else {}))
-    request["request_id"] = "r"
+    request[REQUEST_ID] = "r"
     return request
