@@ -39,6 +39,17 @@ async def post(stack: Stack, body: dict, timeout: float = 10) -> int:
             return r.status
 
 
+async def until_in_flight(stack: Stack, n: int = 1, timeout: float = 10) -> None:
+    """Until the gateway handles ``n`` requests: a fixed sleep let a loaded host send the
+    signal before the request arrived, and the gateway, idle, exited at once."""
+    want = f"slogate_gateway_requests_in_flight {float(n)}".encode()
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while want not in await (await s.get(stack.url + "/metrics")).read():
+            assert time.monotonic() < deadline, f"{n} request(s) never reached the gateway"
+            await asyncio.sleep(0.02)
+
+
 async def test_redis_outage_gives_503_then_recovers(own_redis: LocalRedis) -> None:
     stack = stack_on(own_redis, decode_base_s=0.02, SLOGATE_REDIS_GRACE_S="1")  # requests fail 1 s into an outage
     try:
@@ -73,7 +84,7 @@ async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> No
     gateway = stack.procs[0]
     try:
         slow = asyncio.create_task(post(stack, {**SCORE, "max_tokens": 50}))
-        await asyncio.sleep(0.3)
+        await until_in_flight(stack)
         gateway.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.2)
         assert await post(stack, SCORE) == 503, "a draining gateway takes no new work"
@@ -82,7 +93,6 @@ async def test_sigterm_drains_in_flight_requests(redis_server: LocalRedis) -> No
         assert gateway.wait(timeout=10) == 0
     finally:
         stack.stop()
-
 
 
 async def test_a_request_whose_body_is_still_arriving_when_the_drain_starts_is_served(
@@ -108,6 +118,7 @@ async def test_a_request_whose_body_is_still_arriving_when_the_drain_starts_is_s
         assert gateway.wait(timeout=10) == 0
     finally:
         stack.stop()
+
 
 async def test_requests_still_open_when_the_grace_ends_get_a_503_and_stop(redis_server: LocalRedis) -> None:
     """Cut off without a word, a stream looked like a network fault, and its work went on."""
