@@ -28,11 +28,6 @@ from slogate.protocol import Error, Result
 
 log = logging.getLogger("slogate.gateway")
 
-ALIVE_TTL_S = 5
-"""How long a gateway's ``alive`` key outlives its last renewal: the longest a crashed
-gateway's requests keep running on the workers, plus their two checks a second apart."""
-
-
 READING = "reading this gateway's reply stream"
 RENEWING = "renewing this gateway's alive key"
 TRIMMING = "trimming this gateway's reply stream"
@@ -89,7 +84,7 @@ class Loss:
 class ResultMux:
     def __init__(self, redis: aioredis.Redis, batcher: CommandBatcher, sealer: Sealer,
                  block_ms: int = 1000, count: int = 1024, trim_every_s: float = 1.0,
-                 keep_alive_s: float = 15.0, redis_grace_s: float = 3.0) -> None:
+                 keep_alive_s: float = 15.0, redis_grace_s: float = 3.0, alive_ttl_s: float = 5.0) -> None:
         self.redis = redis
         self.batcher = batcher
         self.sealer = sealer
@@ -98,6 +93,8 @@ class ResultMux:
         self.trim_every_s = trim_every_s
         self.keep_alive_s = keep_alive_s
         self.redis_grace_s = redis_grace_s
+        self.alive_ttl_s = alive_ttl_s
+        """How long ``alive`` outlives its last renewal (``Config.alive_ttl_s``)."""
         gateway_id = uuid.uuid4().hex
         self.key = keys.replies(gateway_id)
         self.alive = keys.alive(gateway_id)
@@ -109,7 +106,7 @@ class ResultMux:
         self._ticked_at = 0.0
         self._set_at: float | None = None
         """When (monotonic) the last renewal known to have set ``alive`` was sent; None before
-        the first, and once all requests failed. ``alive`` found missing within ``ALIVE_TTL_S``
+        the first, and once all requests failed. ``alive`` found missing within ``alive_ttl_s``
         of it means Redis lost it; later, it may have expired (this gateway stalled, or Redis
         refused the renewals while out of memory) with the queues intact."""
         self._failing_since: float | None = None
@@ -212,14 +209,14 @@ class ResultMux:
 
     def _tick(self) -> None:
         """About once a second (this loop wakes at least once a ``block_ms``): renew ``alive``
-        (``ALIVE_TTL_S``), and tell the streams that have heard nothing for ``keep_alive_s``, so
+        (``alive_ttl_s``), and tell the streams that have heard nothing for ``keep_alive_s``, so
         that they write a comment before a proxy that cuts idle connections (60 s is common)
         cuts a queued or slow stream."""
         now = time.monotonic()
         if now - self._ticked_at < min(1.0, self.keep_alive_s):
             return
         self._ticked_at = now
-        self.batcher.call("SET", self.alive, b"1", "EX", ALIVE_TTL_S, "GET").add_done_callback(
+        self.batcher.call("SET", self.alive, b"1", "PX", round(self.alive_ttl_s * 1000), "GET").add_done_callback(
             functools.partial(self._renewed, now))
         quiet_since = now - self.keep_alive_s
         for sub in self._subs.values():
@@ -238,7 +235,7 @@ class ResultMux:
         if done.exception() is not None:
             return
         set_at, self._set_at = self._set_at, max(self._set_at or sent, sent)
-        lost = set_at is not None and set_at < sent and time.monotonic() - set_at < ALIVE_TTL_S
+        lost = set_at is not None and set_at < sent and time.monotonic() - set_at < self.alive_ttl_s
         if done.result() is None and lost and self.loss is None:
             self.loss = Loss(self._broken_at or time.monotonic())
             log.warning("this gateway's alive key was gone from Redis (restarted empty?): the requests no worker "

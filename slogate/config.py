@@ -65,6 +65,13 @@ class Config(msgspec.Struct, forbid_unknown_fields=True):
     waiting request with a 503: a dropped connection or a restart is over by then, and the
     requests go on where they were (records carry their offsets, so one lost on the way is a
     502, never a hole in the text)."""
+    alive_ttl_s: float = 5.0
+    """How long the gateway's alive key outlives its last renewal (about once a second): the
+    workers stop the requests of a gateway whose key is gone, so a gateway that died holds the
+    engines this long at most, plus the workers' checks a second apart. Shorter frees them
+    sooner; a gateway whose loop stalls longer (or whose renewals Redis refuses that long) has
+    its running requests stopped as a dead one's. At least 2 s, or a live gateway's key would
+    lapse between two renewals."""
     host: str = "0.0.0.0"
     port: int = 8000
     state_dir: str = ".slogate"
@@ -274,10 +281,12 @@ def _check_ranges(cfg: Config) -> None:
                 "default_max_tokens", "max_timeout_s", "sse_keep_alive_s", "client_timeout_s",
                 "heartbeat_interval_s", "heartbeat_ttl_s", "claim_idle_s", "engine_stall_s", "stall_pause_s",
                 "workerless_grace_s", "max_attempts", "result_ttl_s", "worker_poll_s", "redis_timeout_s",
-                "redis_grace_s"]
+                "redis_grace_s", "alive_ttl_s"]
     for key in positive:
         if not 0 < getattr(cfg, key) < math.inf:  # NaN too, which every comparison lets through
             raise ConfigError(f"{key}: must be a positive finite number, got {getattr(cfg, key)}")
+    if cfg.alive_ttl_s < 2:
+        raise ConfigError(f"alive_ttl_s: must be at least 2 (it is renewed about once a second), got {cfg.alive_ttl_s}")
     if cfg.port > 65535:
         raise ConfigError(f"port: must be at most 65535, got {cfg.port}")
     if cfg.heartbeat_ttl_s <= cfg.heartbeat_interval_s:

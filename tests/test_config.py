@@ -1,4 +1,6 @@
+import asyncio
 import io
+import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -37,6 +39,7 @@ def test_yaml_then_env_then_overrides(tmp_path) -> None:
     ("workerless_grace_s: 0\n", "workerless_grace_s"),
     ("redis_timeout_s: 0\n", "redis_timeout_s"),
     ("redis_grace_s: -1\n", "redis_grace_s"),
+    ("alive_ttl_s: 1.5\n", "alive_ttl_s: must be at least 2"),
     ("policies:\n  routing:\n    pools: {batch: [bulk]}\n", "policies.routing.pools.batch: pool 'bulk'"),
     ("policies:\n  routing:\n    interactive_spill: [nope]\n", "policies.routing.interactive_spill: pool 'nope'"),
 ])
@@ -48,14 +51,21 @@ def test_bad_values_name_the_key(tmp_path, yaml_text: str, key: str) -> None:
 
 
 async def test_the_gateway_waits_for_redis_as_long_as_its_settings_say(redis_url: str) -> None:
-    """Both were fixed: its commands' read timeout at 5 s (what a Redis that hangs costs each
-    command, and a stopping gateway's exit on its last clean-ups) and its result reader's
-    grace at 3 s (how long the waiting requests outlive a Redis it cannot read)."""
+    """All were fixed: its commands' read timeout at 5 s (what a Redis that hangs costs each
+    command, and a stopping gateway's exit on its last clean-ups), its result reader's grace at
+    3 s (how long the waiting requests outlive a Redis it cannot read) and its alive key's TTL at
+    5 s (how long the workers run a dead gateway's requests)."""
     app = make_app(load_config(env={"SLOGATE_REDIS_URL": redis_url, "SLOGATE_REDIS_TIMEOUT_S": "1.5",
-                                    "SLOGATE_REDIS_GRACE_S": "2.5"}))
+                                    "SLOGATE_REDIS_GRACE_S": "2.5", "SLOGATE_ALIVE_TTL_S": "3.5"}))
     async with TestClient(TestServer(app)):
         assert app[STATE].redis.connection_pool.connection_kwargs["socket_timeout"] == 1.5
         assert app[STATE].mux.redis_grace_s == 2.5
+        alive = app[STATE].mux.alive
+        deadline = time.monotonic() + 5
+        while (ttl := await app[STATE].redis.pttl(alive)) < 0:  # set at the reader's first tick
+            assert time.monotonic() < deadline, "the alive key was never set"
+            await asyncio.sleep(0.05)
+        assert 2_500 < ttl <= 3_500
 
 
 def test_bad_env_value_names_the_variable() -> None:
@@ -106,7 +116,7 @@ def test_slogate_variables_nothing_reads_are_named() -> None:
 
 
 @pytest.mark.parametrize("name", ["max_timeout_s", "client_timeout_s", "heartbeat_ttl_s", "workerless_grace_s",
-                                  "redis_timeout_s", "redis_grace_s"])
+                                  "redis_timeout_s", "redis_grace_s", "alive_ttl_s"])
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_a_setting_that_is_not_a_finite_number_is_refused(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):

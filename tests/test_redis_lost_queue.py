@@ -17,7 +17,6 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from engines.sim import create
 from engines.worker import Worker, WorkerSettings
-from gateway import results
 from gateway.app import make_app
 from gateway.state import STATE
 from slogate import keys, protocol
@@ -29,11 +28,11 @@ BODY = {"model": "slogate-sim", "messages": [{"role": "user", "content": "hi"}],
 
 @contextlib.asynccontextmanager
 async def running_and_queued(redis_url: str, decode_tokens: int, beat_s: float = 0.2,
-                             beat_ttl_s: float = 1.0) -> AsyncIterator[Line]:
+                             beat_ttl_s: float = 1.0, alive_ttl_s: float = 5.0) -> AsyncIterator[Line]:
     """A gateway in front of one worker that takes one request at a time: it runs one of
     ``decode_tokens`` tokens (0.05 s each), and a second waits unread in the queue. The worker
     beats each ``beat_s``, for ``beat_ttl_s``; the gateway expects 0.2 s and 1 s."""
-    async with one_at_a_time(redis_url, beat_s, beat_ttl_s) as line:
+    async with one_at_a_time(redis_url, beat_s, beat_ttl_s, alive_ttl_s) as line:
         client = aioredis.Redis.from_url(redis_url)
         taken = line.send(decode_tokens)
         while not line.worker.inflight:
@@ -47,15 +46,17 @@ async def running_and_queued(redis_url: str, decode_tokens: int, beat_s: float =
 
 
 @contextlib.asynccontextmanager
-async def one_at_a_time(redis_url: str, beat_s: float = 0.2, beat_ttl_s: float = 1.0) -> AsyncIterator[Line]:
-    """A gateway in front of one worker that takes one request at a time, each token 0.05 s."""
+async def one_at_a_time(redis_url: str, beat_s: float = 0.2, beat_ttl_s: float = 1.0,
+                        alive_ttl_s: float = 5.0) -> AsyncIterator[Line]:
+    """A gateway in front of one worker that takes one request at a time, each token 0.05 s;
+    the gateway's alive key lives ``alive_ttl_s``."""
     client = aioredis.Redis.from_url(redis_url)
     worker = Worker(create(decode_base_s=0.05, decode_s_per_seq=0, max_batch=1), client,
                     WorkerSettings(pool="interactive", heartbeat_interval_s=beat_s, heartbeat_ttl_s=beat_ttl_s,
                                    intake_factor=1))
     running = asyncio.create_task(worker.run())
     cfg = Config(redis_url=redis_url, admission_control=False, worker_poll_s=0.1, heartbeat_interval_s=0.2,
-                 heartbeat_ttl_s=1.0)
+                 heartbeat_ttl_s=1.0, alive_ttl_s=alive_ttl_s)
     try:
         while not await client.smembers(keys.WORKERS):
             await asyncio.sleep(0.01)
@@ -132,13 +133,12 @@ async def test_a_worker_that_beats_slower_than_the_gateway_expects_keeps_what_it
         assert (await answered.json())["usage"]["completion_tokens"] == 160
 
 
-async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis, monkeypatch) -> None:
+async def test_a_gateway_that_stalled_past_its_alive_ttl_fails_nothing_still_queued(own_redis) -> None:
     """The alive key expired (the gateway's loop stalled, or Redis refused its renewals while out
     of memory) though Redis lost nothing: a request still queued behind a running one is served.
     The key lives 2 s here, not 5 s: renewed each second, it still outlives the gap between two."""
-    monkeypatch.setattr(results, "ALIVE_TTL_S", 2)
-    async with running_and_queued(own_redis.url, 100) as line:  # 5 s of decode
-        time.sleep(results.ALIVE_TTL_S + 0.5)  # the whole loop stalls: the alive key expires, the queue stays
+    async with running_and_queued(own_redis.url, 100, alive_ttl_s=2) as line:  # 5 s of decode
+        time.sleep(2.5)  # the whole loop stalls: the alive key expires, the queue stays
         served = await asyncio.wait_for(line.queued, 30)
         assert served.status == 200, await served.text()
         assert (await asyncio.wait_for(line.taken, 30)).status == 200

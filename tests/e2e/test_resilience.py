@@ -456,10 +456,10 @@ async def test_a_redis_outage_does_not_show_clients_where_redis_is(own_redis: Lo
 
 
 async def test_a_request_stopped_while_redis_refused_the_gateways_renewals_is_answered(own_redis: LocalRedis) -> None:
-    """Redis out of memory for 8 s refuses every write, the gateway's alive key's renewals
-    included: the key lapses and the workers stop the gateway's requests, as a dead gateway's.
-    But the gateway lives, and its client waited for the request's deadline."""
-    stack = stack_on(own_redis, decode_base_s=0.02)
+    """Redis out of memory for 4 s refuses every write, the gateway's alive key's renewals
+    included: the key (2 s here) lapses and the workers stop the gateway's requests, as a dead
+    gateway's. But the gateway lives, and its client waited for the request's deadline."""
+    stack = stack_on(own_redis, decode_base_s=0.02, SLOGATE_ALIVE_TTL_S="2")
     client = redis.Redis.from_url(own_redis.url)
 
     async def ask() -> tuple[int, str]:
@@ -473,7 +473,7 @@ async def test_a_request_stopped_while_redis_refused_the_gateways_renewals_is_an
         await asyncio.sleep(0.5)
         client.config_set("maxmemory", 1)
         try:
-            await asyncio.sleep(8.0)
+            await asyncio.sleep(4.0)
         finally:
             client.config_set("maxmemory", 0)
         status, text = await in_flight
