@@ -265,7 +265,7 @@ def _resources(cfg: Config):
         batcher = CommandBatcher(commands)
         sealer = Sealer.from_text(cfg.encryption_keys)
         mux = ResultMux(reader, batcher, sealer, keep_alive_s=cfg.sse_keep_alive_s, redis_grace_s=cfg.redis_grace_s,
-                       alive_ttl_s=cfg.alive_ttl_s)
+                        alive_ttl_s=cfg.alive_ttl_s)
         state = GatewayState(
             cfg, commands, batcher, mux,
             WorkerDirectory(commands, list(cfg.pools), cfg.worker_poll_s, cfg.heartbeat_ttl_s), GatewayMetrics(),

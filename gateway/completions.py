@@ -241,7 +241,7 @@ async def _run(request: web.Request, state: GatewayState, parsed: schema.ParsedR
         whole = jobs[0] if len(jobs) == 1 else choices.as_one(jobs)
         _observe(whole, () if len(jobs) == 1 else jobs)
         request[AUDIT].update(outcome=whole.outcome, prompt_tokens=whole.prompt_tokens,
-                                completion_tokens=whole.completion_tokens, **_timings(whole))
+                              completion_tokens=whole.completion_tokens, **_timings(whole))
 
 
 async def _enqueue(state: GatewayState, jobs: list[_Job]) -> None:
