@@ -151,6 +151,7 @@ class Worker:
         self._send_wake = asyncio.Event()
         self._send_failing = False
         self._quiet_step_s = 0.0
+        self._quiet_prefill_s = 0.0
         self._engine_heard_at = time.monotonic()
         """When the engine last reported a step, or was given work while it held none."""
         self.metrics = WorkerMetrics(settings.pool, settings.worker_id, engine.name)
@@ -699,6 +700,8 @@ class Worker:
         self.metrics.load(load)
         if load.decode_step_s and load.running <= 1:
             self._quiet_step_s = min(self._quiet_step_s or load.decode_step_s, load.decode_step_s)
+        if load.prefill_s_per_token:
+            self._quiet_prefill_s = min(self._quiet_prefill_s or load.prefill_s_per_token, load.prefill_s_per_token)
         return Heartbeat(
             worker_id=self.s.worker_id, pool=self.s.pool, engine=self.engine.name,
             models=[ModelInfo(self.engine.model_id, self.engine.max_context)],
@@ -706,7 +709,7 @@ class Worker:
             capacity=0 if self._stopping.is_set() or self._paused() else load.capacity,
             kv_usage=load.kv_usage, prefill_s_per_token=load.prefill_s_per_token,
             decode_step_s=load.decode_step_s, decode_s_per_seq=load.decode_s_per_seq,
-            quiet_step_s=self._quiet_step_s, ts=time.time(),
+            quiet_step_s=self._quiet_step_s, quiet_prefill_s_per_token=self._quiet_prefill_s, ts=time.time(),
             held=[rid[:protocol.HELD_ID_CHARS] for rid in self.inflight], ttl_s=self.s.heartbeat_ttl_s,
             features=list(protocol.FEATURES))
 

@@ -16,6 +16,7 @@ before a request are a wait of their own (``prompts_ahead_s``, from
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ class WorkerLoad(Protocol):
     def decode_s_per_seq(self) -> float: ...
     @property
     def quiet_step_s(self) -> float: ...
+    @property
+    def quiet_prefill_s_per_token(self) -> float: ...
     @property
     def models(self) -> Sequence[ModelLike]: ...
 
@@ -182,6 +185,8 @@ class PoolLoad:
     """Requests running on these workers at their last heartbeat."""
     quiet_step_s: float
     """The shortest quiet decode step any of these workers reported; 0 when none did."""
+    quiet_prefill_s_per_token: float
+    """The lowest prompt cost per token any of these workers reported; 0 when none did."""
     hint: str | None
     """The worker that could start one more request soonest, counting its own step times."""
     parked: int = 0
@@ -193,7 +198,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
     """Sum the workers that have capacity, serve ``model`` and fit ``tokens`` (prompt +
     max_tokens) in its context; ``model=None`` skips that check (single-model deployments)."""
     capacity = count = running = parked = 0
-    cap_timed = prefill = decode = per_seq = quiet = 0.0
+    cap_timed = prefill = decode = per_seq = quiet = quiet_prefill = 0.0
     hint, best = None, 0.0
     prompt, completion = est.prompt_tokens, est.completion_tokens
     for w in workers:
@@ -215,6 +220,8 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
         running += w.running
         if w.quiet_step_s and (not quiet or w.quiet_step_s < quiet):
             quiet = w.quiet_step_s
+        if w.quiet_prefill_s_per_token and (not quiet_prefill or w.quiet_prefill_s_per_token < quiet_prefill):
+            quiet_prefill = w.quiet_prefill_s_per_token
         step = w.decode_step_s
         if step > 0:
             cap_timed += cap
@@ -229,7 +236,7 @@ def aggregate(workers: Sequence[WorkerLoad], model: str | None, tokens: int, est
             hint, best = w.worker_id, score
     if cap_timed:
         prefill, decode, per_seq = prefill / cap_timed, decode / cap_timed, per_seq / cap_timed
-    return PoolLoad(capacity, count, prefill, decode, per_seq, running, quiet, hint, parked)
+    return PoolLoad(capacity, count, prefill, decode, per_seq, running, quiet, quiet_prefill, hint, parked)
 
 
 def unseen_growth(in_flight: int, load: PoolLoad) -> float:
@@ -341,9 +348,10 @@ def predict(in_flight: int, load: PoolLoad, est: PoolEstimate, cfg: Estimator, p
 def floor_service(load: PoolLoad, c: Costs, prompt_tokens: int, max_tokens: int, stream: bool) -> float:
     """Service time on an idle pool: engine time alone, at the workers' own prompt cost and
     their decode step with one request running, where they report them, and never above their
-    quiet step (a host busy with other work slows every step, and passes); else the costs the
-    prediction uses. It decides that a request can never fit, which the client is told not to
-    retry, so it leaves out what load, contention and hops may add."""
+    quiet step and quiet prompt cost (a host busy with other work slows every step, and
+    passes); else the costs the prediction uses. It decides that a request can never fit,
+    which the client is told not to retry, so it leaves out what load, contention and hops may
+    add."""
     if load.decode_s_per_token:
         busy = load.decode_s_per_seq * max(load.running / load.workers - 1, 0.0)
         idle_step = max(load.decode_s_per_token - busy, load.decode_s_per_seq)
@@ -351,5 +359,6 @@ def floor_service(load: PoolLoad, c: Costs, prompt_tokens: int, max_tokens: int,
             idle_step = min(idle_step, load.quiet_step_s)
         c = c._replace(decode_s_per_token=min(c.decode_s_per_token, idle_step))
     if load.prefill_s_per_token:
-        c = c._replace(prefill_fixed_s=0.0, prefill_s_per_token=min(c.prefill_s_per_token, load.prefill_s_per_token))
+        prefill = min(c.prefill_s_per_token, load.prefill_s_per_token, load.quiet_prefill_s_per_token or math.inf)
+        c = c._replace(prefill_fixed_s=0.0, prefill_s_per_token=prefill)
     return service_time(c, prompt_tokens, max_tokens, stream)

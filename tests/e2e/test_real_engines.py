@@ -187,6 +187,8 @@ def test_heartbeats_carry_engine_load(engines_stack) -> None:
     assert beats["interactive"].decode_s_per_seq > 0  # admission projects a burst's steps from it
     for beat in beats.values():
         assert 0 < beat.quiet_step_s <= beat.decode_step_s
+    quiet_prefill = beats["interactive"].quiet_prefill_s_per_token  # the paged engine prices no prompt
+    assert 0 < quiet_prefill <= beats["interactive"].prefill_s_per_token
 
 
 def test_a_prompt_the_gateway_guesses_too_long_is_served_when_it_fits(engines_stack) -> None:

@@ -14,11 +14,12 @@ BUDGET = 0.150 / 1.2
 
 
 def hb(worker_id: str, running: int = 0, waiting: int = 0, capacity: int = 8, decode: float = 0.01,
-       prefill: float = 0.0001, per_seq: float = 0.0, quiet: float = 0.0) -> Heartbeat:
+       prefill: float = 0.0001, per_seq: float = 0.0, quiet: float = 0.0,
+       quiet_prefill: float = 0.0) -> Heartbeat:
     return Heartbeat(worker_id=worker_id, pool="p", engine="sim", models=[ModelInfo("m", 8192)],
                      running=running, waiting=waiting, capacity=capacity,
                      prefill_s_per_token=prefill, decode_step_s=decode, decode_s_per_seq=per_seq,
-                     quiet_step_s=quiet)
+                     quiet_step_s=quiet, quiet_prefill_s_per_token=quiet_prefill)
 
 
 def signals(i_depth: int = 0, i_running: int = 1, b_depth: int = 0, b_running: int = 64,
@@ -121,6 +122,25 @@ def test_a_host_busy_with_other_work_is_overload_not_a_request_that_never_fits()
     never = ask(AdmissionController(CFG), contended(quiet=0.0), max_tokens=8)
     assert (never.outcome, never.reason) == ("shed", "exceeds-objective")
     later = ask(AdmissionController(CFG), contended(quiet=0.004), max_tokens=8)
+    assert (later.outcome, later.reason) == ("shed", "overloaded") and later.retry_after_s > 0
+
+
+def test_a_prompt_cost_left_high_by_contention_is_overload_and_probes_bring_it_down() -> None:
+    """After a spell of contention the engine's prompt cost stays high (1.5 ms a token here)
+    until it prefills again: judged on it, 100 prompt tokens could never fit, and with nothing
+    let through it never came down (a whole stack shed 97% of a risk mix on an idle pool, as
+    requests never to retry). Its quiet cost (0.1 ms) says they fit: the request is overload,
+    to retry, and the pool's probes go through to teach it."""
+    def after_contention(quiet_prefill: float) -> dict[str, PoolSignals]:
+        return {"interactive": PoolSignals("interactive", 0, [hb("i1", prefill=0.0015, quiet=0.01,
+                                                                 quiet_prefill=quiet_prefill)])}
+
+    never = ask(AdmissionController(CFG), after_contention(quiet_prefill=0.0), max_tokens=8)
+    assert (never.outcome, never.reason, never.retry_after_s) == ("shed", "exceeds-objective", 0.0)
+    ctl = AdmissionController(CFG)
+    first = ask(ctl, after_contention(quiet_prefill=0.0001), max_tokens=8, now=1.0)
+    assert (first.outcome, first.reason) == ("admit", "probe")
+    later = ask(ctl, after_contention(quiet_prefill=0.0001), max_tokens=8, now=1.0)
     assert (later.outcome, later.reason) == ("shed", "overloaded") and later.retry_after_s > 0
 
 
