@@ -212,7 +212,7 @@ class Heartbeat(msgspec.Struct, omit_defaults=True):
     quiet_prefill_s_per_token: float = 0.0
     """The lowest ``prefill_s_per_token`` this worker has reported, likewise. The engine's own
     figure follows slow passes up at once and comes down only as it prefills again: after a
-    spell of contention it stayed 5-20x its quiet cost, every prompt of some length looked
+    spell of contention it stayed 4-23x its quiet cost, every prompt of some length looked
     like one that can never fit, and none was let through to bring it down. 0 until it has one."""
     ts: float = 0.0
     held: list[str] | None = None
