@@ -253,9 +253,10 @@ async def test_worker_killed_mid_request_is_finished_by_another(slow_stack: Stac
 
 
 def test_requests_of_a_gateway_that_died_stop_on_the_workers(tmp_path) -> None:
+    """Once its alive key expires (2 s here, not 5 s)."""
     server = LocalRedis(tmp_path / "redis").start()
     client = redis.Redis.from_url(server.url)
-    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0"})
+    stack = Stack(server.url, {**FAST_FLEET, "SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_ALIVE_TTL_S": "2"})
     gateway = stack.gateway()
     stack.worker("batch", "sim", f"decode_base_s={STEP_S}", "decode_s_per_seq=0")
     stack.wait_models(MODEL)
