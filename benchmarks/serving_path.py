@@ -152,7 +152,7 @@ def measured(pids: dict[str, int], load: Any) -> tuple[list[Sent], Usage]:
                   for name in pids}
 
 
-def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, threads: int,
+def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, threads: int, dtype: str,
         trace_file: Path | None) -> tuple[dict[int, tuple[list[Sent], Usage]], dict[str, dict[str, Any]]]:
     """Each level's requests through one gateway and one worker, after a warm-up, and the
     audit records of them all by request id."""
@@ -164,7 +164,7 @@ def run(model_dir: Path, levels: dict[int, list[tuple[str, int]]], engine: str, 
         stack = Stack(redis.url, env)
         try:
             gateway = stack.gateway()
-            worker = stack.worker("interactive", engine)
+            worker = stack.worker("interactive", engine, f'dtype="{dtype}"')
             stack.wait_models(model_dir.name, timeout=300)
             children = Path(f"/proc/{worker.pid}/task/{worker.pid}/children").read_text().split()
             engine_pid = next(int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
@@ -228,6 +228,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="requests per level, each client's first not "
                                                                      "measured")
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", help="results file name (default: serving_path_<size>_<engine>)")
     args = parser.parse_args()
@@ -239,9 +240,9 @@ def main() -> None:
         levels = {n: [(random_prompt(tokenizer, rng, rng.randint(16, 64)), rng.randint(16, 48))
                       for _ in range(args.requests)] for n in args.levels}
         trace_file = Path(tmp) / "spans.jsonl"
-        sent, _ = run(model_dir, levels, args.engine, args.threads, trace_file)
+        sent, _ = run(model_dir, levels, args.engine, args.threads, args.dtype, trace_file)
         traced = {n: trace_hops(trace_file, s) for n, (s, _) in sent.items()}
-        untraced, audited = run(model_dir, levels, args.engine, args.threads, None)
+        untraced, audited = run(model_dir, levels, args.engine, args.threads, args.dtype, None)
     split = {n: audit_hops(audited, s) for n, (s, _) in untraced.items()}
     streams = {n: f"{n} stream{'s' * (n > 1)}" for n in args.levels}
     headers = ["hop", *(f"{streams[n]} {q} ms" for n in args.levels for q in ("P50", "P90", "P99"))]
@@ -255,7 +256,8 @@ def main() -> None:
     split_rows = percentile_rows(split, UNTRACED_HOPS, "TTFT, untraced")
     split_tail_headers, split_tail_rows = tail_report(split, UNTRACED_HOPS, "TTFT, untraced")
     text = "\n".join([
-        f"# Time to first token through the gateway, hop by hop ({args.size} model, {args.engine} engine)", "",
+        f"# Time to first token through the gateway, hop by hop ({args.size} model, {args.dtype}, {args.engine} "
+        f"engine)", "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, x86_64 with {os.cpu_count()} cores shared by the "
         f"load generator, gateway, Redis, worker and engine process; worker at {args.threads} torch thread(s); "
         f"prompts of 16-64 tokens, max_tokens 16-48, closed loop, {args.requests} requests a level, each "
