@@ -493,7 +493,7 @@ def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float 
     prefill: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
     passes = {c.label: c.passes for c in contenders}
     for (label, level), got in traces.items():
-        arrivals = [(t.sent, prompts.tokens[t.prompt]) for t in got]
+        arrivals = [(t.sent, prompts.tokens[t.prompt], t.first_text_tokens if t.chunks else 1) for t in got]
         for t, alone in zip(got, prompts_alone(arrivals, passes[label])):
             t.prompts_alone = alone
         rows[label].append(latency_row(label, level, got, cpus[(label, level)], spreads[label].seconds))
@@ -743,7 +743,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99'). "
         f"Prompts alone: the TTFT each request would have had if its engine ran nothing but the level's prompts, "
         f"as they were sent, at this host's timed pass lengths (the fastest of 7 sweeps, on the stream engine; both "
-        f"engines run the same model runner; each pass takes every prompt waiting, in order sent): no decodes, no "
+        f"engines run the same model runner; each pass takes every prompt waiting, in order sent, and a request "
+        f"whose first token showed no text goes on in one-token passes right after until it does): no decodes, no "
         f"serving path. At {max(args.levels)} streams that queue of prompts lies under every scheduler's TTFT on "
         f"this host (`benchmarks/prompt_floor.py`). First text after 2+ tokens: the requests whose first token "
         f"showed no text (a byte of a character), so that the client waits for a second pass at least; TTFT P99 "

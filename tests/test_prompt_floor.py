@@ -8,27 +8,36 @@ def linear(tokens: int) -> float:
 
 
 def test_a_prompt_alone_takes_the_fixed_cost_and_its_tokens():
-    assert prompts_alone([(0.0, 20), (5.0, 40)], linear) == pytest.approx([0.030, 0.050])
+    assert prompts_alone([(0.0, 20, 1), (5.0, 40, 1)], linear) == pytest.approx([0.030, 0.050])
 
 
 def test_prompts_waiting_together_share_one_pass():
-    assert prompts_alone([(1.0, 20), (1.0, 30)], linear) == pytest.approx([0.060, 0.060])
+    assert prompts_alone([(1.0, 20, 1), (1.0, 30, 1)], linear) == pytest.approx([0.060, 0.060])
 
 
 def test_a_prompt_that_arrives_during_a_pass_waits_for_it_and_joins_the_next_with_later_ones():
     # the first pass runs 0 -> 0.030; the second takes both that came meanwhile: 0.030 -> 0.070
-    ttft = prompts_alone([(0.0, 20), (0.005, 10), (0.020, 20)], linear)
+    ttft = prompts_alone([(0.0, 20, 1), (0.005, 10, 1), (0.020, 20, 1)], linear)
     assert ttft == pytest.approx([0.030, 0.065, 0.050])
 
 
 def test_a_pass_holds_at_most_pass_tokens_in_order_sent_but_always_one_prompt():
     # at 0 all three wait; 30 + 30 > 50, so each runs in a pass of its own, in the order sent
-    ttft = prompts_alone([(0.0, 30), (0.0, 30), (0.0, 60)], linear, pass_tokens=50)
+    ttft = prompts_alone([(0.0, 30, 1), (0.0, 30, 1), (0.0, 60, 1)], linear, pass_tokens=50)
     assert ttft == pytest.approx([0.040, 0.080, 0.150])
 
 
+def test_a_request_whose_first_token_shows_no_text_goes_on_in_one_token_passes_before_the_next_prompts():
+    # pass of 20 + 30: 0 -> 0.060; "a" needs 3 tokens: passes of 1 row (0.011) to 0.071, 0.082;
+    # "b" shows text at once; "c" arrived meanwhile and waits for them: 0.082 -> 0.112
+    ttft = prompts_alone([(0.0, 20, 3), (0.0, 30, 1), (0.001, 20, 1)], linear)
+    assert ttft == pytest.approx([0.082, 0.060, 0.111])
+    together = prompts_alone([(0.0, 20, 2), (0.0, 30, 2)], linear)
+    assert together == pytest.approx([0.072, 0.072]), "both go on in one pass of two rows"
+
+
 def test_results_follow_the_order_given_not_the_order_sent():
-    assert prompts_alone([(5.0, 40), (0.0, 20)], linear) == pytest.approx([0.050, 0.030])
+    assert prompts_alone([(5.0, 40, 1), (0.0, 20, 1)], linear) == pytest.approx([0.050, 0.030])
 
 
 def test_pass_times_follow_the_timed_points_and_the_nearest_segment_beyond_them():
