@@ -41,11 +41,17 @@ class PassTimes:
         return max(sa + (sb - sa) * (n - a) / (b - a), 0.0)
 
 
-def time_passes(time_pass: Callable[[int], float], sizes: list[int], sweeps: int = 7) -> PassTimes:
-    """Time a pass of each size once a sweep and keep each size's fastest: a floor must not
-    carry a busy host's stalls, and sweeps spread each size's tries over the whole timing, so a
-    stretch of noise cannot hold all of one size's."""
-    best = [float("inf")] * len(sizes)
+def time_passes(time_pass: Callable[[int], float], sizes: list[int], sweeps: int = 7,
+                before: PassTimes | None = None) -> PassTimes:
+    """Time a pass of each size once a sweep and keep each size's fastest, of these sweeps and
+    of ``before`` (the same sizes timed earlier): a floor must not carry a busy host's stalls,
+    and sweeps spread each size's tries over the whole timing, so a stretch of noise cannot hold
+    all of one size's. Timed again after a run, the floor no longer rests on one minute of a
+    host whose speed drifts: once, on passes timed during a slow one, it came out over the
+    engine's own TTFT."""
+    if before is not None and before.tokens != sizes:
+        raise ValueError(f"earlier timings are of sizes {before.tokens}, not {sizes}")
+    best = list(before.seconds) if before is not None else [float("inf")] * len(sizes)
     for _ in range(sweeps):
         best = [min(b, time_pass(n)) for b, n in zip(best, sizes)]
     return PassTimes(sizes, best)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -415,8 +416,8 @@ PASS_SIZES = [1, 8, 16, 24, 32, 48, 64, 128, 256, 512]
 """Prompt lengths whose passes are timed for the prompts-alone TTFT (up to a pass's most)."""
 
 
-def pass_times(engine: stream.StreamEngine) -> PassTimes:
-    return time_passes(lambda n: engine.time_step([(0, n)]), PASS_SIZES)
+def pass_times(engine: stream.StreamEngine, before: PassTimes | None = None) -> PassTimes:
+    return time_passes(lambda n: engine.time_step([(0, n)]), PASS_SIZES, before=before)
 
 
 def pass_fit(passes: PassTimes) -> dict[str, float]:
@@ -424,14 +425,19 @@ def pass_fit(passes: PassTimes) -> dict[str, float]:
     return {f"pass_{n}_tokens_ms": seconds * 1000 for n, seconds in zip(passes.tokens, passes.seconds)}
 
 
-def stream_pass_times(args: argparse.Namespace, model_dir: Path, threads: int) -> PassTimes:
-    """Prompt passes of the stream engine at the workers' thread count, timed here before the
-    stack starts (a worker does not report them)."""
+def stream_pass_times(args: argparse.Namespace, model_dir: Path, threads: int,
+                      before: PassTimes | None = None) -> PassTimes:
+    """Prompt passes of the stream engine at the workers' thread count, timed here while the
+    stack is idle (a worker does not report them), at the workers' ordinary priority even when
+    this process runs at a real-time one: the engines' steps never do."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     torch.set_num_threads(threads)
     try:
-        return pass_times(stream_engine(args, model_dir))
+        return pass_times(stream_engine(args, model_dir), before)
     finally:
         torch.set_num_threads(1)
+        os.sched_setscheduler(0, policy, param)
 
 
 def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
@@ -443,8 +449,8 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         "paged": paged.create(str(model_dir), dtype=args.dtype, device=args.device),
     }
     fit = warmup_fit(engines["stream"])
-    passes = pass_times(engines["stream"])
-    fit |= pass_fit(passes)
+    before = pass_times(engines["stream"])
+    passes = functools.cache(lambda: pass_times(engines["stream"], before))
     meter = CpuMeter({})
     for engine in engines.values():
         engine_closed_loop(engine, prompts.warmup)
@@ -455,6 +461,7 @@ def run_in_process(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
         lambda shorts, big, engine=engine: engine_long_prefill(engine, shorts, big, args.long_short_tokens),
         passes,
     ) for name, engine in engines.items()], prompts, args.stagger_ms, args.cycles)
+    fit |= pass_fit(passes())
     torch.set_num_threads(1)
     return rows, prefill, fit
 
@@ -465,8 +472,9 @@ class Contender:
     meter: CpuMeter
     closed_loop: Callable[[Level], list[Trace]]
     long_prefill: Callable[[list[str], str | None], dict[str, Any]]
-    passes: PassTimes
-    """The engine's timed prompt passes, for its TTFT with prompts alone."""
+    passes: Callable[[], PassTimes]
+    """The engine's timed prompt passes, for its TTFT with prompts alone; called once the
+    levels have run, so that they can be timed again then."""
 
 
 def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float | None,
@@ -491,7 +499,7 @@ def take_turns(contenders: list[Contender], prompts: Prompts, stagger_ms: float 
                     total[k] = total.get(k, 0.0) + v
     rows: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
     prefill: dict[str, list[dict[str, Any]]] = {c.label: [] for c in contenders}
-    passes = {c.label: c.passes for c in contenders}
+    passes = {c.label: c.passes() for c in contenders}
     for (label, level), got in traces.items():
         arrivals = [(t.sent, prompts.tokens[t.prompt], t.first_text_tokens if t.chunks else 1) for t in got]
         for t, alone in zip(got, prompts_alone(arrivals, passes[label])):
@@ -742,7 +750,8 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"joining: with starts spread over a lifetime at one stream they arrive faster than N streams in steady state "
         f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99'). "
         f"Prompts alone: the TTFT each request would have had if its engine ran nothing but the level's prompts, "
-        f"as they were sent, at this host's timed pass lengths (the fastest of 7 sweeps, on the stream engine; both "
+        f"as they were sent, at this host's timed pass lengths (each the fastest of 7 sweeps before the levels and 7 "
+        f"after them, on the stream engine; both "
         f"engines run the same model runner; each pass takes every prompt waiting, in order sent, and a request "
         f"whose first token showed no text goes on in one-token passes right after until it does): no decodes, no "
         f"serving path. At {max(args.levels)} streams that queue of prompts lies under every scheduler's TTFT on "
@@ -970,7 +979,8 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     """Both engines behind one gateway."""
     model = model_dir.name
     everywhere = os.sched_getaffinity(0)
-    passes = stream_pass_times(args, model_dir, threads)
+    before = stream_pass_times(args, model_dir, threads)
+    passes = functools.cache(lambda: stream_pass_times(args, model_dir, threads, before))
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
         env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)}
@@ -999,7 +1009,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                 for proc in workers.values():  # the engine processes keep the workers' CPUs
                     for tid in os.listdir(f"/proc/{proc.pid}/task"):
                         os.sched_setaffinity(int(tid), parse_cpus(layout[0]))
-            fit = worker_fit(redis.url, POOLS["stream"]) | pass_fit(passes)
+            fit = worker_fit(redis.url, POOLS["stream"])
             for pool in POOLS.values():
                 uvloop.run(closed_loop(stack.url, model, pool, prompts.warmup))
             rows, prefill = take_turns([Contender(
@@ -1011,6 +1021,7 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
                                                                         args.long_short_tokens)),
                 passes,
             ) for engine, pool in POOLS.items()], prompts, args.stagger_ms, args.cycles)
+            fit |= pass_fit(passes())
         finally:
             stack.stop()
             redis.stop()

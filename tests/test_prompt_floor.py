@@ -57,3 +57,11 @@ def test_time_passes_keeps_the_fastest_of_each_size_over_sweeps_of_all_sizes():
         return seconds
 
     assert time_passes(time_pass, [16, 32], sweeps=3).seconds == [0.03, 0.07]
+
+
+def test_time_passes_keeps_earlier_timings_that_were_faster():
+    runs = iter([0.05, 0.09, 0.03, 0.07])
+    earlier = PassTimes([16, 32], [0.02, 0.08])
+    assert time_passes(lambda n: next(runs), [16, 32], sweeps=2, before=earlier).seconds == [0.02, 0.07]
+    with pytest.raises(ValueError, match="sizes"):
+        time_passes(lambda n: 0.01, [16, 64], sweeps=1, before=earlier)
