@@ -425,16 +425,17 @@ def pass_fit(passes: PassTimes) -> dict[str, float]:
     return {f"pass_{n}_tokens_ms": seconds * 1000 for n, seconds in zip(passes.tokens, passes.seconds)}
 
 
-def stream_pass_times(args: argparse.Namespace, model_dir: Path, threads: int,
+def stream_pass_times(engine: Callable[[], stream.StreamEngine], threads: int,
                       before: PassTimes | None = None) -> PassTimes:
-    """Prompt passes of the stream engine at the workers' thread count, timed here while the
-    stack is idle (a worker does not report them), at the workers' ordinary priority even when
-    this process runs at a real-time one: the engines' steps never do."""
+    """Prompt passes of the stream engine (``engine`` builds it, or gives the one it built)
+    at the workers' thread count, timed here while the stack is idle (a worker does not report
+    them), at the workers' ordinary priority even when this process runs at a real-time one:
+    the engines' steps never do."""
     policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     torch.set_num_threads(threads)
     try:
-        return pass_times(stream_engine(args, model_dir), before)
+        return pass_times(engine(), before)
     finally:
         torch.set_num_threads(1)
         os.sched_setscheduler(0, policy, param)
@@ -751,13 +752,12 @@ def render(args: argparse.Namespace, rows: list[dict[str, Any]], gateway_prefill
         f"would (a model whose steps slow with N streams sees a burst), so their TTFT is apart ('ramp TTFT P99'). "
         f"Prompts alone: the TTFT each request would have had if its engine ran nothing but the level's prompts, "
         f"as they were sent, at this host's timed pass lengths (each the fastest of 7 sweeps before the levels and 7 "
-        f"after them, on the stream engine; both "
-        f"engines run the same model runner; each pass takes every prompt waiting, in order sent, and a request "
-        f"whose first token showed no text goes on in one-token passes right after until it does): no decodes, no "
-        f"serving path. At {max(args.levels)} streams that queue of prompts lies under every scheduler's TTFT on "
-        f"this host (`benchmarks/prompt_floor.py`). First text after 2+ tokens: the requests whose first token "
-        f"showed no text (a byte of a character), so that the client waits for a second pass at least; TTFT P99 "
-        f"of the rest: the P99 of the others.",
+        f"after them, on the stream engine; both engines run the same model runner; each pass takes every prompt "
+        f"waiting, in order sent, and a request whose first token showed no text goes on in one-token passes right "
+        f"after until it does): no decodes, no serving path. At {max(args.levels)} streams that queue of prompts lies "
+        f"under every scheduler's TTFT on this host (`benchmarks/prompt_floor.py`). First text after 2+ tokens: the "
+        f"requests whose first token showed no text (a byte of a character), so that the client waits for a second "
+        f"pass at least; TTFT P99 of the rest: the P99 of the others.",
         "",
         latency,
         "",
@@ -979,8 +979,9 @@ def run_gateway(args: argparse.Namespace, model_dir: Path, prompts: Prompts,
     """Both engines behind one gateway."""
     model = model_dir.name
     everywhere = os.sched_getaffinity(0)
-    before = stream_pass_times(args, model_dir, threads)
-    passes = functools.cache(lambda: stream_pass_times(args, model_dir, threads, before))
+    timer = functools.cache(lambda: stream_engine(args, model_dir))
+    before = stream_pass_times(timer, threads)
+    passes = functools.cache(lambda: stream_pass_times(timer, threads, before))
     with tempfile.TemporaryDirectory() as tmp:
         redis = LocalRedis(Path(tmp)).start()
         env = {"SLOGATE_ADMISSION_CONTROL": "0", "SLOGATE_MODEL": str(model_dir)}
