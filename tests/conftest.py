@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,3 +54,11 @@ def engine_device() -> str:
         if not torch.cuda.is_available():
             pytest.skip(f"SLOGATE_TEST_DEVICE={device} but torch sees no CUDA device")
     return device
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """pytest-xdist hands out tests by node id: two tests sharing one would run as one, and the
+    other's coverage would vanish from every run without a word."""
+    shared = sorted(nodeid for nodeid, count in Counter(item.nodeid for item in items).items() if count > 1)
+    if shared:
+        raise pytest.UsageError(f"tests share a node id, so pytest-xdist would run one of each: {shared}")
