@@ -247,7 +247,9 @@ class PagedEngine:
             found = token_logprobs(logits, wanted, [tokens[i] for i in wanted],
                                    [lives[i].seq.sampling.logprobs or 0 for i in wanted])
             for i, (lp, top) in zip(wanted, found):
-                logprobs[i] = TokenLogprob(*self.pieces(tokens[i]), lp, [(*self.pieces(t), v) for t, v in top])
+                start = lives[i].tracker.at_start
+                logprobs[i] = TokenLogprob(*self.pieces(tokens[i], start), lp,
+                                           [(*self.pieces(t, start), v) for t, v in top])
         return list(zip(lives, tokens, logprobs))
 
     def _blocked(self, lives: list[_Live]) -> torch.Tensor:

@@ -34,6 +34,8 @@ class IncrementalDecoder:
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
+        self.at_start = not self._decode(self._ids)
+        """Whether no token so far has decoded to text: the next may lose its leading space."""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
@@ -52,6 +54,7 @@ class IncrementalDecoder:
         if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and not final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
+        self.at_start = False
         return after[len(before) :]
 
 
@@ -76,6 +79,11 @@ class OutputTracker:
         self._stops = [s for s in params.stop if s]
         self._pending = ""
         """Decoded text held back because it may be the start of a stop string."""
+
+    @property
+    def at_start(self) -> bool:
+        """Whether the next token starts the text (see :class:`~engines.runtime.token_pieces.TokenPieces`)."""
+        return self._decoder.at_start
 
     def append(self, token_id: int) -> tuple[str, FinishReason | None]:
         """Add a sampled token; return the text now safe to show and a finish reason if the

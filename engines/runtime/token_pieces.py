@@ -5,8 +5,9 @@ emoji) decodes to U+FFFD, and the client cannot put the character back together 
 OpenAI's answer is each token's bytes. Byte-level BPE (GPT-2, Llama 3, Qwen) spells a token's
 bytes as printable characters, one for each, and SentencePiece with byte fallback (Llama 2,
 Mistral) has a token ``<0xHH>`` for each byte: both are mapped back to the bytes exactly.
-SentencePiece's other tokens are their names with its space mark made a space. For other
-tokenizers the bytes are the decoded text's. A special token keeps its name as its text
+SentencePiece's other tokens are their names with its space mark made a space, except at the
+very start of a text, where its decoders drop that space (so must the bytes, which add up to
+the text). For other tokenizers the bytes are the decoded text's. A special token keeps its name as its text
 but has no bytes: the completion's text leaves it out, and the bytes must add up to that text.
 """
 
@@ -41,20 +42,24 @@ class TokenPieces:
         self._byte_fallback = "ByteFallback" in kind
         self._metaspace = self._byte_fallback or "Metaspace" in kind
         """SentencePiece spells a space "\u2581"; decoded alone, a token loses its leading one."""
+        self._drops_first_space = self._metaspace and _drops_first_space(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._special = {i for i, t in added.items() if t.special} | set(getattr(tokenizer, "all_special_ids", ()))
         """What decoding the text leaves out: the named special tokens and those only flagged
         special (Llama 3's reserved tokens)."""
         self._cache: dict[int, tuple[str, bytes]] = {}
 
-    def __call__(self, token_id: int) -> tuple[str, bytes]:
+    def __call__(self, token_id: int, at_start: bool = False) -> tuple[str, bytes]:
         """The token's text (U+FFFD where it holds part of a character) and the bytes it adds
-        to the completion's text."""
+        to the completion's text; ``at_start`` when nothing before it has decoded to text (an
+        empty prompt), where the tokenizer may drop its leading space."""
         found = self._cache.get(token_id)
         if found is None:
             found = self._piece(token_id)
             if len(self._cache) < _CACHED:
                 self._cache[token_id] = found
+        if at_start and self._drops_first_space and found[0].startswith(" "):
+            return found[0][1:], found[1][1:]
         return found
 
     def _piece(self, token_id: int) -> tuple[str, bytes]:
@@ -71,3 +76,11 @@ class TokenPieces:
             return raw.decode("utf-8", "replace"), raw
         text = name.replace("\u2581", " ") if self._metaspace else self._tokenizer.decode([token_id])
         return text, text.encode()
+
+
+def _drops_first_space(tokenizer: Any) -> bool:
+    """Whether decoding drops the space a text's first token starts with (Llama 2's decoder
+    strips it, as does Metaspace's with a prepended space); tried on one such token."""
+    vocab = tokenizer.get_vocab()
+    marked = next((i for name, i in vocab.items() if len(name) > 1 and name.startswith("\u2581")), None)
+    return marked is not None and not tokenizer.decode([marked]).startswith(" ")

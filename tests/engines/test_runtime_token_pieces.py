@@ -7,7 +7,9 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from engines.runtime.detokenizer import OutputTracker
 from engines.runtime.token_pieces import TokenPieces
+from slogate.protocol import SamplingParams
 
 TEXT = "risk 风险 score 🙂 ok"
 
@@ -25,15 +27,22 @@ def test_byte_level_tokens_give_their_bytes_even_inside_a_character(tiny_model_d
     assert pieces(len(tokenizer) + 5) == ("", b""), "a padded logit beyond the vocabulary"
 
 
-def test_sentencepiece_byte_fallback_tokens_give_their_byte() -> None:
+def _llama2_style() -> PreTrainedTokenizerFast:
+    """SentencePiece BPE with byte fallback, and Llama 2's decoder, which strips the text's first space."""
     words = ["\u2581", "r", "i", "s", "k", "o", "\u2581r", "\u2581ri", "\u2581ris", "\u2581risk", "\u2581o", "\u2581ok"]
-    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, **{w: 257 + i for i, w in enumerate(words)}}
+    vocab = {"<unk>": 0, "<s>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)},
+             **{w: 258 + i for i, w in enumerate(words)}}
     merges = [("\u2581", "r"), ("\u2581r", "i"), ("\u2581ri", "s"), ("\u2581ris", "k"),
               ("\u2581", "o"), ("\u2581o", "k")]
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>")
+
+
+def test_sentencepiece_byte_fallback_tokens_give_their_byte() -> None:
+    tokenizer = _llama2_style()
     pieces = TokenPieces(tokenizer)
     ids = tokenizer("risk 风 ok", add_special_tokens=False).input_ids
     got = [pieces(i) for i in ids]
@@ -71,3 +80,20 @@ def test_metaspace_tokens_without_byte_fallback_keep_their_space() -> None:
     pieces = TokenPieces(tokenizer)
     # the text after the first token, as the detokenizer streams it (with context before it)
     assert b"".join(pieces(i)[1] for i in ids[1:]) == b" ok risk"
+
+
+def test_first_token_of_a_text_loses_the_space_its_tokenizer_drops_there() -> None:
+    """After an empty prompt, Llama 2's decoder strips the completion's first space: the first
+    token's bytes (and its alternatives') must drop it too, and only at the start."""
+    tokenizer = _llama2_style()
+    pieces = TokenPieces(tokenizer)
+    ids = tokenizer("risk ok", add_special_tokens=False).input_ids
+    for prompt, text in (([tokenizer.bos_token_id], "risk ok"), (tokenizer("ok").input_ids, " risk ok")):
+        tracker = OutputTracker(tokenizer, SamplingParams(max_tokens=len(ids)), {0}, prompt_ids=prompt)
+        shown = b""
+        for i in ids:
+            shown += pieces(i, tracker.at_start)[1]
+            tracker.append(i)
+        assert tracker.text == text
+        assert shown == text.encode()
+    assert pieces(ids[1], at_start=True) == ("ok", b"ok")
