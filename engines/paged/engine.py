@@ -20,6 +20,7 @@ import torch
 
 from engines.base import COUNT, EngineLoad, EngineRequest, Send, StepOutput
 from engines.paged.block_manager import BlockManager
+from engines.paged.fused import fuse_projections
 from engines.paged.model_runner import KVShape, ModelRunner
 from engines.paged.scheduler import Schedule, Scheduler
 from engines.paged.sequence import Sequence, Status
@@ -90,6 +91,8 @@ class PagedEngine:
         self.scheduler = Scheduler(
             self.block_manager, opts.max_num_seqs, opts.max_batched_tokens, loaded.max_context
         )
+        if loaded.device.type == "cpu":
+            fuse_projections(loaded.model)
         if opts.pack_weights:
             pack_linears(loaded.model, opts.max_num_seqs, warm_rows=opts.max_batched_tokens)
         self.runner = ModelRunner(loaded.model, num_blocks, opts.block_size, opts.decode_kernel, opts.cuda_graphs,

@@ -24,9 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engines.paged.attention import PagedMetadata
-
-LAYOUTS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""Model types whose forward is exactly embedding, layers, norm and head."""
+from engines.paged.fused import LAYOUTS, FusedLayer
 
 Hidden = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 """Hidden states [1, tokens, hidden] and the rotary embedding (cos, sin) of their positions."""
@@ -36,7 +34,7 @@ Hidden = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 class Decoder:
     embed: torch.nn.Module
     rotary: torch.nn.Module
-    layers: list[torch.nn.Module]
+    layers: list[torch.nn.Module | FusedLayer]
     norm: torch.nn.Module
     head: torch.nn.Module
 
@@ -49,7 +47,7 @@ class Decoder:
         if model.config.model_type not in LAYOUTS or head is None or any(p is None for p in parts):
             return None
         embed, rotary, layers, norm = parts
-        return cls(embed, rotary, list(layers), norm, head)
+        return cls(embed, rotary, [FusedLayer.of(layer) or layer for layer in layers], norm, head)
 
     def start(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Hidden:
         hidden = self.embed(input_ids.unsqueeze(0))

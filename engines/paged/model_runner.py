@@ -8,7 +8,8 @@ similar length pad little), so the model runs once per step whatever mix of deco
 prefill chunks the scheduler chose, and only the rows that sample a token reach the
 language-model head. On a GPU the steps that fit run as CUDA graphs instead
 (:mod:`engines.paged.step_graphs`). Given a ``pause``, a step runs a layer at a time and lets
-other passes run between two layers (:mod:`engines.paged.layered`).
+other passes run between two layers (:mod:`engines.paged.layered`); on CPU the layers run with
+their projections fused (:mod:`engines.paged.fused`).
 """
 
 from __future__ import annotations
@@ -112,16 +113,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, sched: Schedule, pause: Pause | None = None) -> tuple[list[int], torch.Tensor]:
         """Logits [n, vocab] of the next token for the sequences that sample one this step,
-        with their positions in ``sched``. With ``pause`` (and a model :class:`Decoder` can
-        run), the step runs a layer at a time and calls it between layers."""
+        with their positions in ``sched``. A model :class:`Decoder` can run runs through it,
+        without transformers' model forward around the layers (and must, once its projections
+        are fused: :mod:`engines.paged.fused`); with ``pause`` too, the step runs a layer at a
+        time and calls it between layers."""
         key = self.graphs.key(sched) if self.graphs is not None else None
         if key is not None:
             return self.graphs.run(sched, key)
         inputs = self.prepare(sched)
         backends = sdpa_kernel(PREFILL_BACKENDS) if self.device.type == "cuda" else contextlib.nullcontext()
         with backends:
-            if pause is not None and self.decoder is not None:
-                return self._run_layered(inputs, pause)
+            if self.decoder is not None:
+                return self._run_decoder(inputs, pause)
             logits = self.model(
                 input_ids=inputs.input_ids.unsqueeze(0),
                 position_ids=inputs.positions.unsqueeze(0),
@@ -131,11 +134,11 @@ class ModelRunner:
             ).logits
         return inputs.sampled, logits[0] if logits.dim() == 3 else logits
 
-    def _run_layered(self, inputs: StepInputs, pause: Pause) -> tuple[list[int], torch.Tensor]:
+    def _run_decoder(self, inputs: StepInputs, pause: Pause | None) -> tuple[list[int], torch.Tensor]:
         decoder = self.decoder
         state = decoder.start(inputs.input_ids, inputs.positions)
         for layer in range(len(decoder.layers)):
-            if layer:
+            if layer and pause is not None:
                 pause(layer)
             state = decoder.run(state, inputs.meta, layer, layer + 1)
         return inputs.sampled, decoder.logits(state, inputs.logit_rows)

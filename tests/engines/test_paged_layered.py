@@ -90,7 +90,7 @@ def test_a_step_paused_for_newcomers_computes_what_it_and_their_passes_would_one
     assert paused_cache.abs().sum() > 0
 
 
-def test_a_step_that_never_pauses_for_anyone_is_the_whole_model_forward(model):
+def test_a_step_that_never_pauses_for_anyone_computes_what_an_unpaused_step_does(model):
     plain, plain_cache, _ = _step(model, "torch", None)
     layered, layered_cache, asked = _step(model, "torch", {})
     assert asked == [1, 2, 3] and set(layered) == set(plain) == {"a", "bb"}

@@ -3,7 +3,6 @@ and leaving, chunked prompts and aborts must not change a token, and text stream
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
@@ -35,10 +34,8 @@ def loaded(tiny_model_dir: Path, engine_device: str) -> LoadedModel:
 
 @pytest.fixture
 def make(tiny_model_dir: Path, engine_device: str):
-    def build(model: torch.nn.Module | None = None, **options) -> StreamEngine:
+    def build(**options) -> StreamEngine:
         fresh = load_model(str(tiny_model_dir), dtype="fp32", device=engine_device)
-        if model is not None:
-            fresh.model = model
         options.setdefault("warmup", False)
         options.setdefault("num_blocks", 256)
         return StreamEngine(fresh, StreamOptions(**options))
@@ -137,28 +134,29 @@ def test_random_model_deltas_concatenate_to_decoded_text(make, loaded: LoadedMod
         assert text == loaded.tokenizer.decode(tokens_of(outputs), skip_special_tokens=True), rid
 
 
-def scripted_model(loaded: LoadedModel, text: str, prompt: str) -> torch.nn.Module:
-    """A copy of the real model (so the real KV path runs) whose logits say ``text``, then eos:
-    the token at position p is the script's (p + 1 - prompt length)-th."""
+def scripted(engine: StreamEngine, loaded: LoadedModel, text: str, prompt: str) -> StreamEngine:
+    """``engine`` with every step's logits saying ``text``, then eos (the real model still runs,
+    and with it the KV path): the token at position p is the script's (p + 1 - prompt
+    length)-th. Set on the model runner's output, so passes cut into a paused step get it too."""
     script = loaded.tokenizer(text, add_special_tokens=False).input_ids + [loaded.tokenizer.eos_token_id]
     prompt_len = len(loaded.encode(prompt, None))
-    model = copy.deepcopy(loaded.model)
     said = torch.tensor(script, device=loaded.device)
+    run = engine.runner.run
 
-    def say(module, args, kwargs, output):
-        """On device tensors only, so that a CUDA graph can capture it too."""
-        positions = kwargs["position_ids"][0, kwargs["logits_to_keep"]]
+    def say(sched, pause=None):
+        sampled, logits = run(sched, pause)
+        positions = torch.tensor([sched.seqs[i].num_computed_tokens + sched.num_new_tokens[i] - 1 for i in sampled],
+                                 device=logits.device)
         tokens = said[(positions + 1 - prompt_len).clamp(0, len(script) - 1)]
-        output.logits = torch.full_like(output.logits, -1e9).scatter_(-1, tokens.view(1, -1, 1), 0.0)
-        return output
+        return sampled, torch.full_like(logits, -1e9).scatter_(-1, tokens.view(-1, 1), 0.0)
 
-    model.register_forward_hook(say, with_kwargs=True)
-    return model
+    engine.runner.run = say
+    return engine
 
 
 def test_chinese_and_emoji_stream_as_whole_characters(make, loaded: LoadedModel):
     text = "风险评分 🚀 完成了 👍🏽 naïve café 你好"
-    engine = make(scripted_model(loaded, text, "q"))
+    engine = scripted(make(), loaded, text, "q")
     engine.add_request(request("a", "q", max_tokens=200))
     engine.add_request(request("b", "q", max_tokens=200))
     outputs = by_request(drain(engine))
@@ -172,7 +170,7 @@ def test_chinese_and_emoji_stream_as_whole_characters(make, loaded: LoadedModel)
 
 def test_stop_string_split_across_tokens_is_never_emitted_in_part(make, loaded: LoadedModel):
     text = "risk 风险评估 is high 风险评分 END ignored"
-    engine = make(scripted_model(loaded, text, "q"))
+    engine = scripted(make(), loaded, text, "q")
     engine.add_request(request("a", "q", max_tokens=200, stop=["风险评分"]))
     outputs = by_request(drain(engine))["a"]
     streamed = ""
@@ -479,7 +477,7 @@ def test_a_newcomer_whose_first_token_shows_no_text_goes_on_alone_until_it_does(
     in the pass of prompts at a step's start, is not left to wait for the streams' step for
     the rest of its character."""
     text = "风险评分 is high"
-    engine = make(scripted_model(loaded, text, "q"))
+    engine = scripted(make(), loaded, text, "q")
     prompt_len = len(loaded.encode("q", None))
     for i in range(2):
         engine.add_request(request(f"s{i}", "q", max_tokens=12, ignore_eos=True))
@@ -520,7 +518,7 @@ def test_a_newcomer_whose_first_token_shows_text_is_sent_before_its_pass_mates_g
     other goes on alone for the rest of its character."""
     text = "风险评分 is high"
     script = loaded.tokenizer(text, add_special_tokens=False).input_ids
-    engine = make(scripted_model(loaded, text, "q"))
+    engine = scripted(make(), loaded, text, "q")
     k = next(i for i, token in enumerate(script) if loaded.tokenizer.decode([token]) == " is")
     words = "q" + " q" * (k // 2)  # each ' q' is two tokens: its first token is the script's k-th
     assert len(loaded.encode(words, None)) - len(loaded.encode("q", None)) == k
