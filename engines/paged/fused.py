@@ -5,17 +5,17 @@ Why: on CPU a step pays for every operator it issues, and transformers' layer is
 around its seven linear layers (views, transposes, the attention interface's keyword
 plumbing), and the model's forward more around the stack. Three linears where there were
 seven, reading the same weights in fewer and larger calls, and a layer forward with only the
-operators the arithmetic needs, made a step of the tiny model 2.3x as fast (0.51 against
+operators the arithmetic needs, made the forward of the tiny model 2.3x as fast (0.51 against
 1.18 ms for one decode) and of the ~100M model in bf16 15-19% (13.4 against 16.5 ms for one
 decode, 20.4 against 23.8 ms for a 40-token prompt; 2 threads, AMX host), with logits equal to
-the bit. Each operator the forward keeps is the one transformers runs (its norm modules, its
-rotary function, its activation), on the same values in the same order, so the output is the
-model's.
+the bit; a whole engine step, its inputs built too, 20-30% (README). Each operator the forward
+keeps is the one transformers runs (its norm modules, its rotary function, its activation), on
+the same values in the same order, so the output is the model's.
 
-Only the :data:`LAYOUTS` qualify, and only on CPU: on a GPU
-steps replay as CUDA graphs of transformers' forward (:mod:`engines.paged.step_graphs`),
-which issue nothing per operator. A fused model runs only through :class:`FusedLayer`; its
-layers lose the projections that were fused.
+Only the :data:`LAYOUTS` qualify, and only on CPU: on a GPU steps replay as CUDA graphs of
+transformers' forward (:mod:`engines.paged.step_graphs`), which issue nothing per operator. A
+fused model runs only through :class:`FusedLayer`; its layers lose the projections that were
+fused.
 """
 
 from __future__ import annotations

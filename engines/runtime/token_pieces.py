@@ -6,9 +6,9 @@ OpenAI's answer is each token's bytes. Byte-level BPE (GPT-2, Llama 3, Qwen) spe
 bytes as printable characters, one for each, and SentencePiece with byte fallback (Llama 2,
 Mistral) has a token ``<0xHH>`` for each byte: both are mapped back to the bytes exactly.
 SentencePiece's other tokens are their names with its space mark made a space, except at the
-very start of a text, where its decoders drop that space (so must the bytes, which add up to
-the text). For other tokenizers the bytes are the decoded text's. A special token keeps its name as its text
-but has no bytes: the completion's text leaves it out, and the bytes must add up to that text.
+very start of a text, where its decoders drop that space (and so must the bytes). For other
+tokenizers the bytes are the decoded text's. A special token keeps its name as its text but
+has no bytes: the completion's text leaves it out, and the bytes must add up to that text.
 """
 
 from __future__ import annotations
