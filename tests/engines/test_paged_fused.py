@@ -1,6 +1,6 @@
 """Layers with fused projections (:mod:`engines.paged.fused`) compute what the model's own
-forward does, for each layout they take: Llama, Qwen2 (biased query, key and value) and Qwen3
-(a norm on each head's query and key)."""
+forward does, for each layout they take: Llama, Mistral, Qwen2 (biased query, key and value)
+and Qwen3 (a norm on each head's query and key)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -33,6 +35,7 @@ SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=256)
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**SHAPE)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SHAPE)),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE)),
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)),
 }
