@@ -22,6 +22,7 @@ from transformers import (
 
 from engines.base import EngineRequest, StepOutput
 from engines.paged import PagedEngine, create
+from engines.paged.fused import FusedLayer
 from engines.runtime.packed_linear import PackedLinear
 from engines.stream import create as stream_create
 from slogate.protocol import SamplingParams
@@ -101,6 +102,12 @@ CONFIGS = {
     "preempted_without_prefix_cache": {"block_size": 8, "num_blocks": 28, "enable_prefix_caching": False},
     "linear_layers_as_transformers_ships_them": {"pack_weights": False},
 }
+
+
+def test_on_cpu_the_engine_runs_the_fused_layers_the_greedy_tests_check(make_engine: MakeEngine,
+                                                                         engine_device: str) -> None:
+    fused = [isinstance(layer, FusedLayer) for layer in make_engine().runner.decoder.layers]
+    assert all(fused) if engine_device == "cpu" else not any(fused)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
