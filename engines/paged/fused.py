@@ -46,14 +46,16 @@ def fuse_projections(model: PreTrainedModel) -> bool:
         return False
     if all(hasattr(layer.self_attn, "qkv_proj") for layer in layers):
         return True
-    for layer in layers:
-        if not all(isinstance(getattr(layer.self_attn, n, None), torch.nn.Linear) for n in _ATTENTION) or not all(
-                isinstance(getattr(layer.mlp, n, None), torch.nn.Linear) for n in _MLP):
-            return False
+    if not all(_plain(layer.self_attn, _ATTENTION) and _plain(layer.mlp, _MLP) for layer in layers):
+        return False
     for layer in layers:
         layer.self_attn.qkv_proj = _concatenated(layer.self_attn, _ATTENTION)
         layer.mlp.gate_up_proj = _concatenated(layer.mlp, _MLP)
     return True
+
+
+def _plain(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, name, None), torch.nn.Linear) for name in names)
 
 
 def _concatenated(module: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Linear:
