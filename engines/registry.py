@@ -15,7 +15,7 @@ from engines.engine_process import Encoder, EngineProcess
 from slogate import logs
 from slogate.config import served_model_id
 
-ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged"}
+ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged", "upstream": "engines.upstream"}
 TORCH_ENGINES = {"stream", "paged"}
 
 log = logging.getLogger("slogate")

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from slogate import logs
 from slogate.config import (
     DEFAULT_REDIS_URL,
+    ENGINES,
     Config,
     ConfigError,
     load_config,
@@ -197,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     wk = add("worker", help="run one engine worker for a pool")
     wk.add_argument("--pool", required=True, help="the pool whose queue it serves (e.g. interactive, batch)")
-    wk.add_argument("--engine", choices=["sim", "stream", "paged"],
-                    help="stream: latency first; paged: throughput (paged KV cache); sim: no model "
-                         "(default: the pool's engine in the config)")
+    wk.add_argument("--engine", choices=ENGINES,
+                    help="stream: latency first; paged: throughput (paged KV cache); sim: no model; upstream: "
+                         "an OpenAI-compatible server, -o url=http://HOST:PORT/v1 (default: the pool's engine "
+                         "in the config)")
     wk.add_argument("--model", help="local model directory or hub id (default: the config's model)")
     wk.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option (e.g. -o max_batch=8)")

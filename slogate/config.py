@@ -37,7 +37,7 @@ class ApiKeyConfig(msgspec.Struct, forbid_unknown_fields=True):
             raise ValueError(f"api key {self.id!r}: sha256 must be 64 hex digits")
 
 
-ENGINES = ("sim", "stream", "paged")
+ENGINES = ("sim", "stream", "paged", "upstream")
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True):
