@@ -1,7 +1,9 @@
-"""A trivial OpenAI-shaped server: the floor against which the gateway's overhead is measured."""
+"""A trivial OpenAI-shaped server: the floor against which the gateway's overhead is measured,
+and the server behind the upstream engine when that is measured (streamed, as it asks)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -13,9 +15,21 @@ BODY = (b'{"id":"chatcmpl-echo","object":"chat.completion","created":%d,"model":
         b'"usage":{"prompt_tokens":100,"completion_tokens":4,"total_tokens":104}}')
 
 
-async def chat(request: web.Request) -> web.Response:
-    await request.read()
-    return web.Response(body=BODY % int(time.time()), content_type="application/json")
+CHUNKS = (b'data: {"id":"chatcmpl-echo","object":"chat.completion.chunk","created":%d,"model":"echo",'
+          b'"choices":[{"index":0,"delta":{"content":" 42"},"finish_reason":"length"}]}\n\n'
+          b'data: {"id":"chatcmpl-echo","object":"chat.completion.chunk","created":%d,"model":"echo","choices":[],'
+          b'"usage":{"prompt_tokens":100,"completion_tokens":4,"total_tokens":104}}\n\ndata: [DONE]\n\n')
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    if not json.loads(await request.read()).get("stream"):
+        return web.Response(body=BODY % int(time.time()), content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    now = int(time.time())
+    await response.write(CHUNKS % (now, now))
+    await response.write_eof()
+    return response
 
 
 def main() -> None:

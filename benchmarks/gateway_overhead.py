@@ -1,5 +1,6 @@
 """What the gateway costs: the same risk-score load sent straight to a trivial OpenAI-shaped
-server, and through gateway + Redis + a sim worker with zero engine time.
+server, through gateway + Redis + a sim worker with zero engine time, and through gateway +
+Redis + an upstream worker in front of that trivial server (what fronting a server you run costs).
 
     python -m benchmarks.gateway_overhead [--duration 10] [--rates 1500,2000]
 
@@ -86,12 +87,16 @@ def wrk(url: str, body: dict, duration: float, connections: int = 64) -> Summary
 
 
 def gateway_run(redis_url: str, admission: bool, payloads: list[bytes], duration: float,
-                rates: list[float], body: dict) -> dict[str, Summary]:
-    stack = Stack(redis_url, {"SLOGATE_LOG_LEVEL": "WARNING", "SLOGATE_ADMISSION_CONTROL": "1" if admission else "0"})
+                rates: list[float], body: dict, upstream: str | None = None) -> dict[str, Summary]:
+    """Sim workers with zero engine time, or with ``upstream`` (a server's base URL) upstream
+    workers in front of it."""
+    stack = Stack(redis_url, {"SLOGATE_LOG_LEVEL": "WARNING", "SLOGATE_ADMISSION_CONTROL": "1" if admission else "0",
+                              **({"SLOGATE_MODEL": "slogate-sim"} if upstream else {})})
+    engine, options = ("upstream", [f"url={upstream}/v1", "max_context=8192"]) if upstream else ("sim", ZERO)
     try:
         stack.gateway()
-        stack.worker("interactive", "sim", *ZERO)
-        stack.worker("batch", "sim", *ZERO)
+        stack.worker("interactive", engine, *options)
+        stack.worker("batch", engine, *options)
         stack.wait_models("slogate-sim", pools=2)
         out = uvloop.run(measure(stack.url, payloads, duration, rates))
         by_wrk = wrk(stack.url, body, duration)
@@ -124,6 +129,8 @@ def main() -> None:
             if by_wrk is not None:
                 direct["64 clients (closed, wrk)"] = by_wrk
             runs = {"direct to a trivial server": direct}
+            runs["gateway + upstream worker, admission on"] = gateway_run(
+                redis.url, True, payloads, args.duration, rates, body, upstream=echo_url)
             echo.terminate()
             runs["gateway, admission on"] = gateway_run(redis.url, True, payloads, args.duration, rates, body)
             runs["gateway, admission off"] = gateway_run(redis.url, False, payloads, args.duration, rates, body)
@@ -145,7 +152,9 @@ def main() -> None:
               f"{platform.machine()} with {os.cpu_count()} cores, load generator (benchmarks/rawhttp.py) on "
               f"the same machine; {args.duration:.0f} s per load; risk-score requests (non-streamed, "
               f"max_tokens <= 8) from {Path(args.workload).name}; gateway path = one gateway process + "
-              f"Redis + sim workers with zero engine time. Latency is end to end at the client.\n\n")
+              f"Redis + sim workers with zero engine time; upstream path = the same with upstream workers "
+              f"streaming from the trivial server, which runs beside them. Latency is end to end at the "
+              f"client.\n\n")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(header + table + "\n")
     print(header + table)
