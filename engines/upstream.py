@@ -87,12 +87,17 @@ class _Event:
 
 def request_body(req: EngineRequest, model: str, continuous_usage: bool = False) -> dict[str, Any]:
     """The server's request for ``req``: OpenAI's fields, and vLLM's extensions only where the
-    request sets them (a plain OpenAI server refuses unknown fields)."""
+    request sets them (a plain OpenAI server refuses unknown fields). A ``max_tokens`` the client
+    did not set is left out: the gateway's default is a cap, and the server, which knows the
+    prompt's length, would refuse one that the prompt leaves no room for, where the gateway
+    lowers it (:func:`slogate.protocol.fit_to_context`)."""
     s = req.sampling
     body: dict[str, Any] = {"model": model, "stream": True,
                             "stream_options": {"include_usage": True,
                                                **({"continuous_usage_stats": True} if continuous_usage else {})},
-                            "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens}
+                            "temperature": s.temperature, "top_p": s.top_p}
+    if not s.max_tokens_default:  # the gateway's default is a cap this engine holds (UpstreamEngine._apply)
+        body["max_tokens"] = s.max_tokens
     if req.messages is not None:
         body["messages"] = req.messages
     else:
@@ -264,6 +269,11 @@ class UpstreamEngine:
             out.error_status, out.error, out.error_code, out.error_param = event.error
         elif event.final:
             out.finish_reason = "length" if event.finish_reason == "length" else "stop"
+        elif seq.req.sampling.max_tokens_default and seq.completion_tokens >= seq.req.sampling.max_tokens:
+            out.finish_reason = "length"  # the gateway's cap, which the server was not told
+            out.completion_tokens = seq.req.sampling.max_tokens
+            if seq.future is not None:
+                seq.future.cancel()
         elif not (event.text or event.logprobs):
             return None
         if out.finish_reason is not None or out.error is not None:

@@ -20,6 +20,10 @@ def test_plain_request_carries_no_extension_a_plain_openai_server_would_refuse()
                     "top_p": 1.0, "max_tokens": 9, "prompt": "Risk:"}
 
 
+def test_the_gateways_default_cap_is_not_sent() -> None:
+    assert "max_tokens" not in request_body(_request(max_tokens=256, max_tokens_default=True), "m")
+
+
 def test_set_parameters_are_passed_on_by_their_openai_and_vllm_names() -> None:
     body = request_body(_request(stop=["\n"], seed=3, top_k=5, min_tokens=2, ignore_eos=True, logit_bias={42: -100.0},
                                  stop_token_ids=[7], presence_penalty=0.5, logprobs=2,

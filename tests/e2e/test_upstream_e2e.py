@@ -36,7 +36,7 @@ def upstream(redis_server: LocalRedis) -> Iterator[Stack]:
 def front(upstream: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     own = LocalRedis(tmp_path_factory.mktemp("front-redis")).start()
     _flush(own)
-    s = Stack(own.url, {**FAST_FLEET, "SLOGATE_MODEL": FRONT})
+    s = Stack(own.url, {**FAST_FLEET, "SLOGATE_MODEL": FRONT, "SLOGATE_DEFAULT_MAX_TOKENS": "20"})
     try:
         s.gateway()
         for pool in ("interactive", "batch"):
@@ -79,6 +79,14 @@ def test_streamed_completion_adds_up_to_the_answer(front: Stack) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 12
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_the_gateways_default_cap_holds_without_the_server_being_told_it(front: Stack, upstream: Stack) -> None:
+    ask = {"prompt": "Quarterly exposure report:", "temperature": 0}
+    here = client(front).completions.create(model=FRONT, **ask)
+    there = client(upstream).completions.create(model=MODEL, max_tokens=20, **ask)
+    assert here.choices[0].finish_reason == "length" and here.usage.completion_tokens == 20
+    assert here.choices[0].text == there.choices[0].text
 
 
 def test_logprobs_pass_through(front: Stack) -> None:
