@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = add("up", help="run Redis (unless SLOGATE_REDIS_URL is set), the gateway and "
                                    "one worker per pool, and stop them all on Ctrl-C")
     up.add_argument("--model", help="local model directory or hub id (default: build the tiny model)")
-    up.add_argument("--engine", choices=["sim"], help="sim: simulated engines in every pool")
+    up.add_argument("--engine", choices=["sim", "upstream"],
+                    help="sim: simulated engines in every pool; upstream: every pool forwards to an "
+                         "OpenAI-compatible server (-o url=http://HOST:PORT/v1, --model: its model's name)")
     up.add_argument("--port", type=int, help="the gateway's port (default: the config's, 8000)")
     up.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                     help="engine option for every worker (e.g. -o decode_base_s=0.004)")

@@ -282,3 +282,29 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "address already in use" in gateway.stderr.lower()
     assert "Redis is unreachable" in unreachable.stderr
     assert "--metrics-port" in beyond.stderr
+
+
+def test_up_in_front_of_a_server_you_run(tmp_path: Path) -> None:
+    """``--engine upstream``: every pool forwards to an OpenAI-compatible server (here a second
+    ``slogate up``); without ``--model``, the name to ask it for, the stack stops at once, saying so."""
+    server_port, front_port = free_port(), free_port()
+    (tmp_path / "server").mkdir()
+    (tmp_path / "front").mkdir()
+    url = f"url=http://127.0.0.1:{server_port}/v1"
+    with slogate_up(tmp_path / "server", "--engine", "sim", "--port", str(server_port)) as server:
+        wait_ready(server, server_port, 60)
+        with slogate_up(tmp_path / "front", "--engine", "upstream", "--port", str(front_port), "-o", url,
+                        stderr=subprocess.PIPE) as nameless:
+            _, err = nameless.communicate(timeout=60)
+        assert nameless.returncode == 2 and "the upstream engine needs --model" in err
+        with slogate_up(tmp_path / "front", "--engine", "upstream", "--model", "slogate-sim", "--port",
+                        str(front_port), "-o", url) as front:
+            wait_ready(front, front_port, 60)
+            ask = json.dumps({"model": "slogate-sim", "max_tokens": 4, "prompt": "risk"}).encode()
+            answers = []
+            for port in (front_port, server_port):
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", ask,
+                                                 {"content-type": "application/json"})
+                with urllib.request.urlopen(request, timeout=10) as resp:
+                    answers.append(json.loads(resp.read())["choices"][0]["text"])
+            assert answers[0] == answers[1] and len(answers[0].split()) == 4
