@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import threading
 import time
@@ -47,7 +48,10 @@ class UpstreamOptions:
     upstream_model: str | None = None
     """The model's name at the server; default: the worker's ``--model``."""
     api_key: str | None = None
-    """Sent as a bearer token; default: none."""
+    """Sent as a bearer token; default: none. In a config file; on a command line, where ``ps``
+    shows it to everyone on the host, name a variable with ``api_key_env`` instead."""
+    api_key_env: str | None = None
+    """The environment variable that holds ``api_key``."""
     max_batch: COUNT = 64
     """Requests in flight at the server at once; the rest wait here, in order."""
     max_context: int | None = None
@@ -201,8 +205,7 @@ class UpstreamEngine:
         self._session: aiohttp.ClientSession = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
 
     async def _open(self) -> aiohttp.ClientSession:
-        headers = {"Authorization": f"Bearer {self.opts.api_key}"} if self.opts.api_key else {}
-        return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(
+        return aiohttp.ClientSession(headers=_auth(self.opts), timeout=aiohttp.ClientTimeout(
             total=None, sock_connect=self.opts.connect_timeout_s), connector=aiohttp.TCPConnector(limit=0))
 
     def prepare(self, request: EngineRequest) -> EngineRequest:
@@ -337,12 +340,15 @@ def _unreachable(request_id: str, url: str, exc: Exception) -> _Event:
                                           f"OpenAI's stream: {exc!r}", "upstream_error", None))
 
 
+def _auth(opts: UpstreamOptions) -> dict[str, str]:
+    return {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+
+
 def _listed_context(opts: UpstreamOptions, model: str) -> int:
     """The model's context as the server's ``/v1/models`` lists it."""
     async def fetch() -> Any:
-        headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
         timeout = aiohttp.ClientTimeout(total=opts.connect_timeout_s + 5, sock_connect=opts.connect_timeout_s)
-        async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+        async with aiohttp.ClientSession(headers=_auth(opts), timeout=timeout) as session:
             async with session.get(f"{opts.url.rstrip('/')}/models") as resp:
                 resp.raise_for_status()
                 return await resp.json()
@@ -369,6 +375,10 @@ def create(model: str | None = None, **options: Any) -> UpstreamEngine:
         raise ValueError("upstream engine: -o url=http://HOST:PORT/v1 (the server's OpenAI base URL) is required")
     if not model:
         raise ValueError("the upstream engine needs --model: the name it serves under (and asks the server for)")
+    if opts.api_key_env:
+        if not os.environ.get(opts.api_key_env):
+            raise ValueError(f"upstream engine: api_key_env names {opts.api_key_env}, which is not set")
+        opts.api_key = os.environ[opts.api_key_env]
     model_id = served_model_id(model)
     max_context = opts.max_context or _listed_context(opts, opts.upstream_model or model_id)
     return UpstreamEngine(model_id, opts, max_context)

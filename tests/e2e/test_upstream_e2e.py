@@ -16,31 +16,43 @@ import pytest
 
 from engines.base import EngineRequest, StepOutput
 from engines.upstream import UpstreamEngine, create
+from gateway.auth import hash_key
 from slogate.local_redis import LocalRedis
 from slogate.processes import Stack, http_get
 from slogate.protocol import SamplingParams
-from tests.e2e.conftest import FAST_FLEET, MODEL, _flush, start_stack
+from tests.e2e.conftest import FAST_FLEET, MODEL, _flush
 
 FRONT = "risk-front"
+KEY = "sk-front-worker"
 
 
 @pytest.fixture(scope="module")
-def upstream(redis_server: LocalRedis) -> Iterator[Stack]:
-    """The server behind: sim tokens at 5 ms each, so that a stream can be cut halfway."""
-    s = start_stack(redis_server, decode_base_s=0.005)
-    yield s
-    s.stop()
+def upstream(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The server behind, which wants an API key: sim tokens at 5 ms each, so that a stream can
+    be cut halfway."""
+    config = tmp_path_factory.mktemp("upstream-cfg") / "slogate.yaml"
+    config.write_text(f"api_keys:\n  - {{id: front, sha256: {hash_key(KEY)}}}\n")
+    _flush(redis_server)
+    s = Stack(redis_server.url, {**FAST_FLEET, "SLOGATE_CONFIG": str(config)})
+    try:
+        s.gateway()
+        for pool in ("interactive", "batch"):
+            s.worker(pool, "sim", "decode_base_s=0.005", "decode_s_per_seq=0", "prefill_s_per_token=0")
+        s.wait_models(MODEL, pools=2, api_key=KEY)
+        yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="module")
 def front(upstream: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     own = LocalRedis(tmp_path_factory.mktemp("front-redis")).start()
     _flush(own)
-    s = Stack(own.url, {**FAST_FLEET, "SLOGATE_MODEL": FRONT, "SLOGATE_DEFAULT_MAX_TOKENS": "20"})
+    s = Stack(own.url, {**FAST_FLEET, "SLOGATE_MODEL": FRONT, "SLOGATE_DEFAULT_MAX_TOKENS": "20", "UPSTREAM_KEY": KEY})
     try:
         s.gateway()
         for pool in ("interactive", "batch"):
-            s.worker(pool, "upstream", f"url={upstream.url}/v1", f"upstream_model={MODEL}")
+            s.worker(pool, "upstream", f"url={upstream.url}/v1", f"upstream_model={MODEL}", "api_key_env=UPSTREAM_KEY")
         s.wait_models(FRONT, pools=2)
         yield s
     finally:
@@ -48,8 +60,8 @@ def front(upstream: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         own.stop()
 
 
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+def client(stack: Stack, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0)
 
 
 def test_models_lists_the_servers_context(front: Stack) -> None:
@@ -60,7 +72,7 @@ def test_models_lists_the_servers_context(front: Stack) -> None:
 def test_chat_answer_is_the_servers(front: Stack, upstream: Stack) -> None:
     ask = {"max_tokens": 7, "temperature": 0, "stop": [" hold"],
            "messages": [{"role": "user", "content": "score txn 4: 250 EUR, new device"}]}
-    there = client(upstream).chat.completions.create(model=MODEL, **ask)
+    there = client(upstream, KEY).chat.completions.create(model=MODEL, **ask)
     here = client(front).chat.completions.create(model=FRONT, **ask)
     assert here.model == FRONT
     assert here.choices[0].message.content == there.choices[0].message.content
@@ -84,7 +96,7 @@ def test_streamed_completion_adds_up_to_the_answer(front: Stack) -> None:
 def test_the_gateways_default_cap_holds_without_the_server_being_told_it(front: Stack, upstream: Stack) -> None:
     ask = {"prompt": "Quarterly exposure report:", "temperature": 0}
     here = client(front).completions.create(model=FRONT, **ask)
-    there = client(upstream).completions.create(model=MODEL, max_tokens=20, **ask)
+    there = client(upstream, KEY).completions.create(model=MODEL, max_tokens=20, **ask)
     assert here.choices[0].finish_reason == "length" and here.usage.completion_tokens == 20
     assert here.choices[0].text == there.choices[0].text
 
@@ -140,6 +152,8 @@ def test_a_server_that_is_not_there_stops_the_worker_at_start(upstream: Stack) -
         create(FRONT, url="http://127.0.0.1:9/v1", connect_timeout_s=1.0)
     with pytest.raises(ValueError, match="url=http"):
         create(FRONT)
+    with pytest.raises(ValueError, match="api_key_env names SLOGATE_TEST_NO_SUCH_KEY, which is not set"):
+        create(FRONT, url=f"{upstream.url}/v1", api_key_env="SLOGATE_TEST_NO_SUCH_KEY")
 
 
 def _run_one(engine: UpstreamEngine, request: EngineRequest) -> StepOutput:
@@ -152,14 +166,18 @@ def _run_one(engine: UpstreamEngine, request: EngineRequest) -> StepOutput:
     raise AssertionError("no answer within 10 s")
 
 
-def test_a_wrong_model_or_url_is_the_gateways_502_not_the_clients_fault(upstream: Stack) -> None:
+def test_a_wrong_key_model_or_url_is_the_gateways_502_not_the_clients_fault(upstream: Stack) -> None:
     ask = EngineRequest("r1", SamplingParams(max_tokens=3), time.time() + 30, prompt="score")
-    wrong_model = create(FRONT, url=f"{upstream.url}/v1", upstream_model="no-such-model", max_context=100)
+    url = f"{upstream.url}/v1"
+    wrong_key = create(FRONT, url=url, upstream_model=MODEL, max_context=100, api_key="sk-wrong")
+    out = _run_one(wrong_key, ask)
+    assert out.error_status == 502 and "credentials" in out.error
+    wrong_model = create(FRONT, url=url, upstream_model="no-such-model", max_context=100, api_key=KEY)
     out = _run_one(wrong_model, ask)
     assert out.error_status == 502 and "no-such-model" in out.error
-    wrong_url = create(FRONT, url=upstream.url, upstream_model=MODEL, max_context=100)  # no /v1
+    wrong_url = create(FRONT, url=upstream.url, upstream_model=MODEL, max_context=100, api_key=KEY)  # no /v1
     out = _run_one(wrong_url, ask)
     assert out.error_status == 502 and out.error_code == "upstream_error"
-    right = create(FRONT, url=f"{upstream.url}/v1", upstream_model=MODEL)
+    right = create(FRONT, url=url, upstream_model=MODEL, api_key=KEY)
     out = _run_one(right, ask)
     assert out.finish_reason == "length" and out.completion_tokens == 3
