@@ -200,8 +200,7 @@ class UpstreamEngine:
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._gap_s = 0.0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="upstream-http", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._loop.run_forever, name="upstream-http", daemon=True).start()
         self._session: aiohttp.ClientSession = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
 
     async def _open(self) -> aiohttp.ClientSession:
