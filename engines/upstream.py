@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import uvloop
 
 from engines.base import COUNT, NOT_NEGATIVE, EngineLoad, EngineRequest, Send, StepOutput, checked_options
 from slogate.config import served_model_id
@@ -199,7 +200,7 @@ class UpstreamEngine:
         self._errors: list[StepOutput] = []
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._gap_s = 0.0
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="upstream-http", daemon=True).start()
         self._session: aiohttp.ClientSession = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
 
