@@ -13,9 +13,10 @@ from typing import Any
 from engines.base import Engine
 from engines.engine_process import Encoder, EngineProcess
 from slogate import logs
+from slogate.config import ENGINES as ENGINE_NAMES
 from slogate.config import served_model_id
 
-ENGINES = {"sim": "engines.sim", "stream": "engines.stream", "paged": "engines.paged", "upstream": "engines.upstream"}
+ENGINES = {name: f"engines.{name}" for name in ENGINE_NAMES}
 TORCH_ENGINES = {"stream", "paged"}
 
 log = logging.getLogger("slogate")
