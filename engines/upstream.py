@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import threading
@@ -33,6 +34,8 @@ import uvloop
 from engines.base import COUNT, NOT_NEGATIVE, EngineLoad, EngineRequest, Send, StepOutput, checked_options
 from slogate.config import served_model_id
 from slogate.protocol import TokenLogprob
+
+log = logging.getLogger("slogate.upstream")
 
 WAIT_SLICE_S = 0.002
 """How long a step waits on the server at a time before it looks for new requests again."""
@@ -184,7 +187,7 @@ def error_of(status: int, body: bytes) -> tuple[int, str, str | None, str | None
         return 503, f"the upstream server is overloaded ({status}): {message}", "upstream_overloaded", None
     if 400 <= status < 500:
         return 400, message, code if isinstance(code, str) else None, param
-    return 502, f"the upstream server failed ({status}): {message}", "upstream_error", None
+    return 502, f"the upstream server failed ({status})", "upstream_error", None  # its words go to the log
 
 
 class UpstreamEngine:
@@ -200,6 +203,8 @@ class UpstreamEngine:
         self._errors: list[StepOutput] = []
         self._events: queue.SimpleQueue[_Event] = queue.SimpleQueue()
         self._gap_s = 0.0
+        self._unreachable = False
+        """Whether the server's last call failed (read and written on the HTTP thread only)."""
         self._loop = uvloop.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="upstream-http", daemon=True).start()
         self._session: aiohttp.ClientSession = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
@@ -295,7 +300,10 @@ class UpstreamEngine:
                                             sock_connect=self.opts.connect_timeout_s)
             async with self._session.post(url, json=body, timeout=timeout) as resp:
                 if resp.status != 200:
-                    put(_Event(req.id, error=error_of(resp.status, await resp.read())))
+                    refusal = await resp.read()
+                    if resp.status >= 500:
+                        log.warning("the upstream server answered %d: %s", resp.status, refusal[:500])
+                    put(_Event(req.id, error=error_of(resp.status, refusal)))
                     return
                 async for line in resp.content:
                     data = line.strip()
@@ -320,12 +328,25 @@ class UpstreamEngine:
                                           "upstream_error", None)))
                 return
             put(_Event(req.id, usage=usage, final=True, finish_reason=finish))
+            if self._unreachable:
+                self._unreachable = False
+                log.info("the upstream server at %s answers again", self.opts.url)
         except TimeoutError as exc:
             late = time.time() >= req.deadline
             put(_Event(req.id, error=(504, "the request's deadline passed at the upstream server", "deadline_exceeded",
-                                      None)) if late else _unreachable(req.id, self.opts.url, exc))
+                                      None)) if late else self._failed(req.id, exc))
         except Exception as exc:  # unreachable, or not OpenAI's stream: the request must end, not hang
-            put(_unreachable(req.id, self.opts.url, exc))
+            put(self._failed(req.id, exc))
+
+    def _failed(self, request_id: str, exc: Exception) -> _Event:
+        """The client is told the server failed; the server's address and what failed go to the
+        worker's log (once, until it answers again), not to clients."""
+        if not self._unreachable:
+            self._unreachable = True
+            log.warning("the upstream server at %s could not be reached or sent what is not OpenAI's stream: %s",
+                        self.opts.url, str(exc) or type(exc).__name__)
+        return _Event(request_id, error=(502, "the upstream server could not be reached or sent what is not an "
+                                              "OpenAI stream", "upstream_error", None))
 
     def load(self) -> EngineLoad:
         """No prompt cost of its own: how a server's first token splits into its queue, its prompt
@@ -333,11 +354,6 @@ class UpstreamEngine:
         learns from the answers. The gap between chunks is the server's decode step."""
         return EngineLoad(running=len(self._running), waiting=len(self._waiting), capacity=self.opts.max_batch,
                           decode_step_s=self._gap_s)
-
-
-def _unreachable(request_id: str, url: str, exc: Exception) -> _Event:
-    return _Event(request_id, error=(502, f"the upstream server at {url} could not be reached or sent what is not "
-                                          f"OpenAI's stream: {exc!r}", "upstream_error", None))
 
 
 def _auth(opts: UpstreamOptions) -> dict[str, str]:

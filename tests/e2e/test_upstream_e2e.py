@@ -166,7 +166,7 @@ def _run_one(engine: UpstreamEngine, request: EngineRequest) -> StepOutput:
     raise AssertionError("no answer within 10 s")
 
 
-def test_a_wrong_key_model_or_url_is_the_gateways_502_not_the_clients_fault(upstream: Stack) -> None:
+def test_a_wrong_key_model_or_url_or_a_server_gone_is_the_gateways_502(upstream: Stack) -> None:
     ask = EngineRequest("r1", SamplingParams(max_tokens=3), time.time() + 30, prompt="score")
     url = f"{upstream.url}/v1"
     wrong_key = create(FRONT, url=url, upstream_model=MODEL, max_context=100, api_key="sk-wrong")
@@ -178,6 +178,9 @@ def test_a_wrong_key_model_or_url_is_the_gateways_502_not_the_clients_fault(upst
     wrong_url = create(FRONT, url=upstream.url, upstream_model=MODEL, max_context=100, api_key=KEY)  # no /v1
     out = _run_one(wrong_url, ask)
     assert out.error_status == 502 and out.error_code == "upstream_error"
+    gone = create(FRONT, url="http://127.0.0.1:9/v1", max_context=100, connect_timeout_s=1.0)
+    out = _run_one(gone, ask)
+    assert out.error_status == 502 and "127.0.0.1" not in out.error, "the server's address stays in the worker's log"
     right = create(FRONT, url=url, upstream_model=MODEL, api_key=KEY)
     out = _run_one(right, ask)
     assert out.finish_reason == "length" and out.completion_tokens == 3
