@@ -314,8 +314,8 @@ class UpstreamEngine:
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
-                        err = chunk["error"]
-                        put(_Event(req.id, error=(502, f"the upstream server failed: {err.get('message', err)}",
+                        log.warning("the upstream server failed a stream: %s", str(chunk["error"])[:500])
+                        put(_Event(req.id, error=(502, "the upstream server failed in the middle of the answer",
                                                   "upstream_error", None)))
                         return
                     event = chunk_event(req.id, chunk, chat, self.opts.continuous_usage)
