@@ -234,8 +234,7 @@ class UpstreamEngine:
     def step(self, arrivals: Callable[[], bool] | None = None, send: Send | None = None) -> list[StepOutput]:
         """Start what fits, then hand on what the server sent: everything queued, after waiting
         up to ``STEP_WAIT_S`` for the first of it, looking for new requests meanwhile."""
-        outputs, self._errors = self._errors, []
-        self._start_waiting()
+        outputs = self._admit()
         events: list[_Event] = []
         end = time.monotonic() + STEP_WAIT_S
         while not events and self._running and time.monotonic() < end:
@@ -243,9 +242,7 @@ class UpstreamEngine:
                 events.append(self._events.get(timeout=WAIT_SLICE_S))
             except queue.Empty:
                 if arrivals is not None and arrivals():
-                    outputs += self._errors
-                    self._errors = []
-                    self._start_waiting()
+                    outputs += self._admit()
         while True:
             try:
                 events.append(self._events.get_nowait())
@@ -253,11 +250,14 @@ class UpstreamEngine:
                 break
         return outputs + [out for event in events if (out := self._apply(event)) is not None]
 
-    def _start_waiting(self) -> None:
+    def _admit(self) -> list[StepOutput]:
+        """Send the waiting requests that fit to the server; the refused ones' outputs."""
         while self._waiting and len(self._running) < self.opts.max_batch:
             seq = self._waiting.popleft()
             seq.future = asyncio.run_coroutine_threadsafe(self._stream(seq.req), self._loop)
             self._running[seq.req.id] = seq
+        errors, self._errors = self._errors, []
+        return errors
 
     def _apply(self, event: _Event) -> StepOutput | None:
         seq = self._running.get(event.request_id)
