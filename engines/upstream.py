@@ -42,7 +42,7 @@ WAIT_SLICE_S = 0.002
 STEP_WAIT_S = 0.05
 """The longest a step waits for the server: the engine loop applies cancels between steps."""
 SMOOTHING = 0.2
-"""Weight of the newest measurement in the load's running averages."""
+"""Weight of the newest gap in the running average of the server's gap between chunks."""
 
 
 @dataclass
